@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_tree",
+    version="0.1.0",
+    description="Tree training for Megatron-LM: pack sequences with shared prefixes into prefix trees, "
+    "compute every shared token once, return exact per-sequence log-probs and gradients.",
+    packages=find_packages(include=["megatron_tree", "megatron_tree.*", "patches", "patches.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy", "pyyaml"],
+    extras_require={
+        "megatron": [
+            "megatron-core>=0.16,<0.20",
+            "mbridge",
+            "transformers",
+            "safetensors",
+            "einops",
+        ],
+        "test": ["pytest", "hypothesis"],
+        "bench": ["matplotlib", "tqdm"],
+    },
+)
