@@ -1,0 +1,77 @@
+"""One packed tree micro-batch: the tensors a model step needs, and the host-side bookkeeping.
+
+Shape legend: T = slots of the micro-batch (unique tokens + trailing padding),
+n = sequences held, N = sum over held sequences of (len - 1) next-token targets.
+
+Mask convention (the interval encoding, see ``megatron_tree.tree``): slots are in DFS
+pre-order, so every subtree is one contiguous range. ``attention_mask[0, j]`` is the end
+(exclusive) of the subtree of slot j, and key j is visible to query i iff
+``j <= i < attention_mask[0, j]``. A padding slot j has ``attention_mask[0, j] == j + 1``:
+it sees only itself and nobody sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreeMicroBatch:
+    """A micro-batch of prefix trees laid out in DFS pre-order.
+
+    Device tensors (all on CPU when built; move with :meth:`to`):
+      input_ids      LongTensor  [1, T]  token of each slot, ``pad_token_id`` after ``num_tokens``.
+      position_ids   LongTensor  [1, T]  depth of each slot = its position in its sequence
+                                         (0 for padding). Feed it to RoPE.
+      attention_mask IntTensor   [1, T]  int32 subtree end of each slot (interval encoding above);
+                                         what ``GPTModel(..., attention_mask=...)`` takes when the
+                                         model is built with tree attention.
+      cu_seqlens     IntTensor   [n+1]   int32 offsets into the 1-D log-prob output, FlashAttention
+                                         convention: sequence k's targets are
+                                         ``out[cu_seqlens[k]:cu_seqlens[k+1]]``, ``len_k - 1`` of them.
+      logprob_slots  LongTensor  [N]     slot whose logits predict each target (a node with several
+                                         children predicts a different token for each child).
+      logprob_labels LongTensor  [N]     the target token ``s[t+1]`` predicted at depth ``t``.
+
+    Host-side ints (never need a device sync):
+      sequence_ids   list[int]   input sequences held here, in output order (the order of cu_seqlens).
+      seq_lens       list[int]   their lengths (original tokens).
+      num_tokens     int         unique (unpadded) tokens; slots ``[num_tokens, T)`` are padding.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    cu_seqlens: torch.Tensor
+    logprob_slots: torch.Tensor
+    logprob_labels: torch.Tensor
+    sequence_ids: list[int]
+    seq_lens: list[int]
+    num_tokens: int
+
+    @property
+    def num_slots(self) -> int:
+        """T: slots including padding."""
+        return self.input_ids.shape[1]
+
+    @property
+    def num_original_tokens(self) -> int:
+        """Tokens the held sequences have before prefix sharing."""
+        return sum(self.seq_lens)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TreeMicroBatch":
+        """Copy of this micro-batch with every tensor on ``device``."""
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return TreeMicroBatch(
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            attention_mask=move(self.attention_mask),
+            cu_seqlens=move(self.cu_seqlens),
+            logprob_slots=move(self.logprob_slots),
+            logprob_labels=move(self.logprob_labels),
+            sequence_ids=self.sequence_ids,
+            seq_lens=self.seq_lens,
+            num_tokens=self.num_tokens,
+        )
