@@ -1,0 +1,66 @@
+"""MicroBatchSpec: how a batch of sequences is cut into tree micro-batches."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+PACKING_ALGORITHMS = ("ffd", "kk")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchSpec:
+    """Validated at construction; copy with overrides through :meth:`new`.
+
+    max_tokens_per_mb  capacity of one micro-batch in unique (tree) tokens; a sequence longer
+                       than this cannot be packed.
+    n_mbs              at least this many micro-batches per step.
+    n_mbs_divisor      the micro-batch count is a multiple of this (pipeline parallel: PP size,
+                       or ``microbatch_group_size_per_vp_stage`` for interleaved PP).
+    granularity        runs of ``granularity`` adjacent input sequences (0..g-1, g..2g-1, ...)
+                       always land in the same micro-batch (e.g. the samples of one prompt).
+    packing_algorithm  "ffd" (first-fit decreasing, then least-loaded placement) or "kk"
+                       (Karmarkar–Karp differencing; falls back to "ffd" rather than overflow).
+    """
+
+    max_tokens_per_mb: int
+    n_mbs: int = 1
+    n_mbs_divisor: int = 1
+    granularity: int = 1
+    packing_algorithm: str = "ffd"
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_mb", "n_mbs", "n_mbs_divisor", "granularity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MicroBatchSpec.{name} must be a positive int, got {value!r}")
+        if self.packing_algorithm not in PACKING_ALGORITHMS:
+            raise ValueError(
+                f"MicroBatchSpec.packing_algorithm must be one of {PACKING_ALGORITHMS}, "
+                f"got {self.packing_algorithm!r}"
+            )
+
+    @classmethod
+    def new(cls, spec: "MicroBatchSpec", **overrides: Any) -> "MicroBatchSpec":
+        """Copy of ``spec`` with ``overrides`` applied (validated again)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown MicroBatchSpec field(s) {sorted(unknown)}; valid: {cls.field_names()}")
+        return dataclasses.replace(spec, **overrides)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "MicroBatchSpec":
+        """Build from a mapping (e.g. the ``micro_batch`` section of a YAML config)."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"micro-batch config must be a mapping of {cls.field_names()}, got {values!r}")
+        unknown = set(values) - set(cls.field_names())
+        if unknown:
+            raise ValueError(f"unknown micro-batch config key(s) {sorted(unknown)}; valid: {cls.field_names()}")
+        if "max_tokens_per_mb" not in values:
+            raise ValueError("micro-batch config needs max_tokens_per_mb")
+        return cls(**values)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]

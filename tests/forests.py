@@ -1,0 +1,70 @@
+"""Hypothesis strategies and a brute-force trie for tests of the tree data model."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+VOCAB = 7  # small vocab: many accidental shared prefixes and duplicates
+
+
+@st.composite
+def grpo_batches(draw, max_prompts=4, max_samples=6, max_prompt=12, max_response=10):
+    """Prompts x samples: each sample = its prompt + a response (responses may be empty,
+    repeat each other, or share their start)."""
+    seqs = []
+    for _ in range(draw(st.integers(1, max_prompts))):
+        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_prompt))
+        for _ in range(draw(st.integers(1, max_samples))):
+            seqs.append(prompt + draw(st.lists(st.integers(0, VOCAB - 1), max_size=max_response)))
+    return seqs
+
+
+@st.composite
+def multi_turn_batches(draw, max_convs=3, max_turns=5, max_turn_len=6):
+    """Conversations where each turn's sequence extends the previous one, with forks
+    (a turn may restart from an earlier turn)."""
+    seqs = []
+    for _ in range(draw(st.integers(1, max_convs))):
+        history = [draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_turn_len))]
+        for _ in range(draw(st.integers(1, max_turns))):
+            base = history[draw(st.integers(0, len(history) - 1))]
+            nxt = base + draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_turn_len))
+            history.append(nxt)
+        seqs.extend(history)
+    return seqs
+
+
+random_batches = st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=12)
+any_batch = st.one_of(grpo_batches(), multi_turn_batches(), random_batches)
+
+
+def brute_force_trie(seqs):
+    """Reference layout: dict trie, DFS pre-order with children by token. Returns
+    (tokens, depth, ancestors-or-self dense bool [T, T] (query, key), path slots per sequence)."""
+    root = {}
+    for s in seqs:
+        node = root
+        for tok in s:
+            node = node.setdefault(tok, {})
+    tokens, depth, parent, slot_of = [], [], [], {}
+
+    def visit(node, d, par, key):
+        for tok in sorted(node):
+            slot = len(tokens)
+            tokens.append(tok)
+            depth.append(d)
+            parent.append(par)
+            slot_of[key + (tok,)] = slot
+            visit(node[tok], d + 1, slot, key + (tok,))
+
+    visit(root, 0, -1, ())
+    t = len(tokens)
+    anc = np.zeros((t, t), bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parent[j]
+    paths = [[slot_of[tuple(s[: d + 1])] for d in range(len(s))] for s in seqs]
+    return np.array(tokens), np.array(depth), anc, paths
