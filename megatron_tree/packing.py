@@ -56,7 +56,8 @@ def pack_trees(
         raise TypeError(f"spec must be a MicroBatchSpec, got {type(spec).__name__}")
     if pad_to_multiple_of <= 0:
         raise ValueError(f"pad_to_multiple_of must be positive, got {pad_to_multiple_of}")
-    seqs = as_sequences(sequences, attention_mask)
+    # An empty batch is allowed (a data-parallel rank with no sequences this step).
+    seqs = as_sequences(sequences, attention_mask) if len(sequences) else []
     cap = spec.max_tokens_per_mb
     lens = np.fromiter((s.shape[0] for s in seqs), np.int64, len(seqs))
     too_long = np.flatnonzero(lens > cap)
@@ -67,8 +68,7 @@ def pack_trees(
             f"({too_long.size} sequence(s) too long in all); raise max_tokens_per_mb to at least "
             f"{int(lens.max())} or truncate those sequences"
         )
-    forest = build_forest(seqs)
-    items, costs = plan_items(forest, cap)
+    items, costs = plan_items(build_forest(seqs), cap) if seqs else ([], [])
     if spec.granularity > 1:
         items, costs = _merge_granules(items, costs, seqs, spec.granularity, cap)
     k = _bin_count(costs, spec, cap, dp_group)

@@ -118,6 +118,11 @@ def test_empty_micro_batches_pad_the_count():
     assert empty.num_tokens == 0 and empty.num_slots == 1 and empty.cu_seqlens.tolist() == [0]
 
 
+def test_empty_batch_gives_padding_micro_batches():
+    mbs = pack_trees([], MicroBatchSpec(max_tokens_per_mb=8, n_mbs=2))
+    assert [mb.sequence_ids for mb in mbs] == [[], []]
+
+
 def test_padded_form_gives_the_same_micro_batches():
     seqs = [[5, 6, 7, 8], [5, 6, 9], [1]]
     ids = torch.zeros(3, 5, dtype=torch.long)
