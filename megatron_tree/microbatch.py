@@ -12,6 +12,7 @@ it sees only itself and nobody sees it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,24 @@ class TreeMicroBatch:
     def num_original_tokens(self) -> int:
         """Tokens the held sequences have before prefix sharing."""
         return sum(self.seq_lens)
+
+    def padded_to(self, length: int, pad_token_id: int = 0) -> "TreeMicroBatch":
+        """Copy padded with extra slots up to ``length`` slots (each padding slot sees only itself)."""
+        t = self.num_slots
+        if length < t:
+            raise ValueError(f"cannot pad a micro-batch of {t} slots down to {length}; use a length >= {t}")
+        if length == t:
+            return self
+        extra = length - t
+        dev = self.input_ids.device
+        return dataclasses.replace(
+            self,
+            input_ids=torch.cat([self.input_ids, self.input_ids.new_full((1, extra), pad_token_id)], 1),
+            position_ids=torch.cat([self.position_ids, self.position_ids.new_zeros((1, extra))], 1),
+            attention_mask=torch.cat(
+                [self.attention_mask, torch.arange(t + 1, length + 1, dtype=torch.int32, device=dev)[None]], 1
+            ),
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "TreeMicroBatch":
         """Copy of this micro-batch with every tensor on ``device``."""

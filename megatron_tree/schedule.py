@@ -1,0 +1,145 @@
+"""Tree micro-batches through megatron-core's pipeline schedules.
+
+``get_forward_backward_func()`` pulls one item per micro-batch from a data iterator on
+every pipeline stage (one iterator per model chunk under interleaved PP) and calls
+``forward_step_func(data_iterator, model)``, which returns ``(output, loss_func)``; the
+last stage calls ``loss_func(output)``. Here:
+
+* :func:`tree_data_iterators` gives each model chunk its own iterator over the same
+  micro-batches (moved to the device, padded to one length when the schedule needs it);
+* :func:`tree_forward_step` runs the model with the tree mask and depths as positions,
+  and its loss function gathers per-sequence log-probs (vocab-parallel) and applies the
+  user's loss;
+* :func:`tree_forward_backward` does both and calls the schedule.
+
+Loss normalisation. The user's ``loss_fn(logprobs, mb)`` returns ``(loss_sum, count)``:
+a SUM over what it normalises by, and how many of those there are (tokens for a per-token
+mean, sequences for a per-sequence mean). Megatron then divides the summed loss by the
+count summed over all micro-batches (and, with its DDP, over data-parallel ranks) —
+``config.calculate_per_token_loss=True``. The result is the same whatever the
+micro-batching, so a tree step equals the flat step on the same sequences exactly;
+without that flag Megatron averages per-micro-batch means, which depends on how
+sequences fall into micro-batches, and :func:`tree_forward_backward` refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from megatron_tree.logprobs import gather_tree_logprobs
+from megatron_tree.microbatch import TreeMicroBatch
+
+LossFn = Callable[[torch.Tensor, TreeMicroBatch], tuple[torch.Tensor, torch.Tensor | int]]
+"""``loss_fn(logprobs [N] fp32, mb) -> (loss_sum scalar, count)``; see the module docstring."""
+
+
+def tree_data_iterators(
+    mbs: Sequence[TreeMicroBatch], num_model_chunks: int = 1, *, device: torch.device | str, pad_to: int | None = None
+) -> Iterator[TreeMicroBatch] | list[Iterator[TreeMicroBatch]]:
+    """Data iterator(s) for ``forward_backward_func``: one over ``mbs`` per model chunk
+    (a plain iterator when there is one chunk). ``pad_to`` pads every micro-batch to that
+    many slots (fixed-length schedules)."""
+    moved = [(mb.padded_to(pad_to) if pad_to else mb).to(device) for mb in mbs]
+    its = [iter(moved) for _ in range(num_model_chunks)]
+    return its[0] if num_model_chunks == 1 else its
+
+
+def tree_forward_step(
+    loss_fn: LossFn, *, tp_group: torch.distributed.ProcessGroup | None = None, temperature: float = 1.0
+) -> Callable:
+    """A ``forward_step_func`` for megatron-core schedules over :class:`TreeMicroBatch` items.
+
+    The model must be built with tree attention and per-token RoPE (see
+    ``patch_bridge_for_tree_training`` / ``tree_layer_spec`` + ``enable_tree_rope``).
+    Its loss function returns Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``.
+    """
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+
+        def loss_func(logits: torch.Tensor):
+            logprobs = gather_tree_logprobs(logits, mb, tp_group=tp_group, temperature=temperature)
+            result = loss_fn(logprobs, mb)
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise ValueError(
+                    f"loss_fn must return (loss_sum, count), got {type(result).__name__}"
+                    f"{'' if not isinstance(result, tuple) else f' of length {len(result)}'}"
+                )
+            loss, count = result
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    f"loss_fn's loss_sum must be a scalar tensor (a sum over the batch's tokens or "
+                    f"sequences), got shape {tuple(getattr(loss, 'shape', ()))}"
+                )
+            count = torch.as_tensor(count, dtype=torch.int, device=loss.device).reshape(())
+            loss = loss.reshape(())
+            report = torch.stack([loss.detach().float(), count.float()])
+            return loss, count, {"loss": report}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def tree_forward_backward(
+    model: torch.nn.Module | list[torch.nn.Module],
+    mbs: Sequence[TreeMicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+    temperature: float = 1.0,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+) -> list[dict]:
+    """Run one step of ``mbs`` through ``get_forward_backward_func()``; returns Megatron's
+    per-micro-batch loss dicts (on the last pipeline stage; empty elsewhere).
+
+    Validates what the schedule needs: ``calculate_per_token_loss``, no context parallel,
+    a micro-batch count that interleaved PP accepts, and one slot length for every
+    micro-batch unless ``variable_seq_lengths`` is set (then each keeps its own length).
+    ``tp_group`` defaults to Megatron's tensor-parallel group.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    config = get_model_config(chunks[0])
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "tree training needs TransformerConfig.calculate_per_token_loss=True: the loss is "
+            "normalised by counts summed over all micro-batches, so tree and flat steps agree exactly "
+            "(set it, e.g. bridge.set_extra_args(calculate_per_token_loss=True))"
+        )
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError(
+            f"context parallel size {parallel_state.get_context_parallel_world_size()} is not supported "
+            f"by tree attention; use context_parallel_size=1 (split long trees over micro-batches instead)"
+        )
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(chunks) > 1:
+        group = config.microbatch_group_size_per_vp_stage or pp
+        if len(mbs) < group or len(mbs) % group:
+            raise ValueError(
+                f"interleaved pipeline parallel needs a micro-batch count that is a multiple of "
+                f"microbatch_group_size_per_vp_stage={group} and at least it, got {len(mbs)}; "
+                f"pack with MicroBatchSpec(n_mbs_divisor={group}, n_mbs={group})"
+            )
+    if not len(mbs):
+        raise ValueError("got no micro-batches; pack_trees returns at least one")
+    length = max(mb.num_slots for mb in mbs)
+    pad_to = None if config.variable_seq_lengths else length
+    device = next(chunks[0].parameters()).device
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_group = tp_group if torch.distributed.get_world_size(tp_group) > 1 else None
+    return get_forward_backward_func()(
+        forward_step_func=tree_forward_step(loss_fn, tp_group=tp_group, temperature=temperature),
+        data_iterator=tree_data_iterators(mbs, len(chunks), device=device, pad_to=pad_to),
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(mbs),
+        seq_length=length,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
