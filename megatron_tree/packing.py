@@ -28,7 +28,7 @@ import torch
 
 from megatron_tree.microbatch import TreeMicroBatch
 from megatron_tree.microbatch_spec import MicroBatchSpec
-from megatron_tree.tree import TokenForest, as_sequences, build_forest
+from megatron_tree.tree import TokenForest, as_sequences, build_forest, chain_forest
 
 
 def pack_trees(
@@ -39,6 +39,7 @@ def pack_trees(
     dp_group: "torch.distributed.ProcessGroup | None" = None,
     pad_to_multiple_of: int = 1,
     pad_token_id: int = 0,
+    share_prefixes: bool = True,
 ) -> list[TreeMicroBatch]:
     """Pack ``sequences`` into micro-batches of prefix trees.
 
@@ -48,6 +49,8 @@ def pack_trees(
     dp_group        data-parallel process group: every rank gets the same micro-batch count
                     (one all-reduce); extra micro-batches hold no sequence.
     pad_to_multiple_of  each micro-batch's slot count T is padded up to a multiple of this.
+    share_prefixes  False packs every sequence as its own chain (block-diagonal causal
+                    attention): the flat baseline, with the same capacity and count rules.
 
     Returns the micro-batches; every input sequence is in exactly one of them
     (``mb.sequence_ids``), in ascending input order within a micro-batch.
@@ -68,7 +71,10 @@ def pack_trees(
             f"({too_long.size} sequence(s) too long in all); raise max_tokens_per_mb to at least "
             f"{int(lens.max())} or truncate those sequences"
         )
-    items, costs = plan_items(build_forest(seqs), cap) if seqs else ([], [])
+    if not share_prefixes:
+        items, costs = [np.array([i]) for i in range(len(seqs))], lens.tolist()
+    else:
+        items, costs = plan_items(build_forest(seqs), cap) if seqs else ([], [])
     if spec.granularity > 1:
         items, costs = _merge_granules(items, costs, seqs, spec.granularity, cap)
     k = _bin_count(costs, spec, cap, dp_group)
@@ -76,7 +82,7 @@ def pack_trees(
     out = []
     for members in bins:
         ids = sorted(int(s) for it in members for s in items[it])
-        out.append(build_micro_batch(seqs, ids, pad_to_multiple_of, pad_token_id))
+        out.append(build_micro_batch(seqs, ids, pad_to_multiple_of, pad_token_id, share_prefixes))
     return out
 
 
@@ -268,11 +274,16 @@ def _karmarkar_karp(costs: Sequence[int], k: int) -> list[list[int]]:
 
 
 def build_micro_batch(
-    seqs: list[np.ndarray], ids: list[int], pad_to_multiple_of: int = 1, pad_token_id: int = 0
+    seqs: list[np.ndarray],
+    ids: list[int],
+    pad_to_multiple_of: int = 1,
+    pad_token_id: int = 0,
+    share_prefixes: bool = True,
 ) -> TreeMicroBatch:
-    """The micro-batch holding sequences ``seqs[i] for i in ids`` (may be empty: one padding slot)."""
+    """The micro-batch holding sequences ``seqs[i] for i in ids`` (may be empty: one padding slot);
+    ``share_prefixes=False`` lays each sequence out as its own chain."""
     if ids:
-        forest = build_forest([seqs[i] for i in ids])
+        forest = (build_forest if share_prefixes else chain_forest)([seqs[i] for i in ids])
         lens = forest.seq_len
         paths = forest.path_slots(range(len(ids)))  # [sum L]
         last = np.cumsum(lens) - 1

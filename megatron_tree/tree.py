@@ -253,3 +253,26 @@ def build_forest(sequences: list[np.ndarray]) -> TokenForest:
         seq_len=seq_len,
         seq_rank=seq_rank,
     )
+
+
+def chain_forest(sequences: list[np.ndarray]) -> TokenForest:
+    """The forest with no sharing: every sequence its own chain, laid out in input order.
+
+    This is the packed flat layout (block-diagonal causal attention), the baseline that
+    tree packing is measured against.
+    """
+    n = len(sequences)
+    lens = np.fromiter((s.shape[0] for s in sequences), np.int64, n)
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    return TokenForest(
+        tokens=np.concatenate(sequences),
+        depth=np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(starts, lens),
+        subtree_end=np.repeat(ends, lens),
+        node_start=starts,
+        node_len=lens,
+        node_parent=np.full(n, -1, np.int64),
+        seq_node=np.arange(n, dtype=np.int64),
+        seq_len=lens,
+        seq_rank=np.arange(n, dtype=np.int64),
+    )

@@ -71,6 +71,17 @@ def test_pack_trees_invariants(seqs, spec, pad_multiple):
         assert mb.num_slots % pad_multiple == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(any_batch, specs)
+def test_flat_packing_invariants(seqs, spec):
+    assume(max(map(len, seqs)) <= spec.max_tokens_per_mb)
+    spec = MicroBatchSpec.new(spec, granularity=1)
+    mbs = pack_trees(seqs, spec, share_prefixes=False)
+    check_micro_batches(seqs, mbs, spec)
+    for mb in mbs:
+        assert mb.num_tokens == mb.num_original_tokens  # nothing shared
+
+
 @settings(max_examples=150, deadline=None)
 @given(any_batch, st.integers(12, 60), st.integers(1, 6))
 def test_kk_spread_within_margin_of_ffd(seqs, cap, n_mbs):
