@@ -194,9 +194,12 @@ def main(argv=None):
     from megatron.core import parallel_state as ps
 
     from megatron_tree.schedule import tree_forward_backward
+    from patches import apply_compat_patches
     from megatron_tree.testing import cpu_mode
 
-    with cpu_mode():  # a no-op on GPUs
+    # cpu_mode is a no-op on GPUs; the compat patches stay open for the whole run because
+    # some are needed at run time (MoE on megatron-core 0.16.1 without Transformer Engine).
+    with apply_compat_patches(), cpu_mode():
         init_distributed(cfg, cuda)
         rank = dist.get_rank()
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -100,8 +100,9 @@ def tree_forward_backward(
     per-micro-batch loss dicts (on the last pipeline stage; empty elsewhere).
 
     Validates what the schedule needs: ``calculate_per_token_loss``, no context parallel,
-    a micro-batch count that interleaved PP accepts, and one slot length for every
-    micro-batch unless ``variable_seq_lengths`` is set (then each keeps its own length).
+    a micro-batch count that interleaved PP accepts. Unless ``variable_seq_lengths`` is set
+    (then each keeps its own length), every micro-batch on every rank is padded to one slot
+    length (one MAX all-reduce over the world).
     ``tp_group`` defaults to Megatron's tensor-parallel group.
     """
     chunks = model if isinstance(model, list) else [model]
@@ -128,9 +129,15 @@ def tree_forward_backward(
             )
     if not len(mbs):
         raise ValueError("got no micro-batches; pack_trees returns at least one")
-    length = max(mb.num_slots for mb in mbs)
-    pad_to = None if config.variable_seq_lengths else length
     device = next(chunks[0].parameters()).device
+    length = max(mb.num_slots for mb in mbs)
+    if not config.variable_seq_lengths and torch.distributed.get_world_size() > 1:
+        # One length everywhere: pipeline stages exchange [length, 1, h] activations, and
+        # MoE dispatchers exchange tokens across data-parallel (expert-parallel) ranks.
+        t = torch.tensor([length], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        length = int(t.item())
+    pad_to = None if config.variable_seq_lengths else length
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_group = tp_group if torch.distributed.get_world_size(tp_group) > 1 else None

@@ -1,0 +1,42 @@
+"""Compatibility patches: the only code here that touches private internals of mbridge,
+megatron-core or transformers.
+
+One module per upstream library (``patches.mbridge``, ``patches.megatron_core``), one
+small function per problem, each saying which versions need it and checking for itself
+whether this process does. Nothing is applied at import: use the context manager ::
+
+    with apply_compat_patches():
+        bridge = AutoBridge.from_pretrained(path)
+        model = bridge.get_model(...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from ._attr import AttrPatch, PatchScope
+
+
+def _compat_patches() -> list[AttrPatch]:
+    from . import mbridge, megatron_core
+
+    return mbridge.compat_patches() + megatron_core.compat_patches()
+
+
+_COMPAT_SCOPE = PatchScope(_compat_patches)
+
+
+@contextlib.contextmanager
+def apply_compat_patches() -> Iterator[tuple[AttrPatch, ...]]:
+    """Apply the compatibility patches this process needs; revert them when the outermost block exits.
+
+    Covers mbridge 0.15.1 on megatron-core >= 0.14, transformers >= 5 and machines without
+    Transformer Engine (see :mod:`patches.mbridge` and :mod:`patches.megatron_core`).
+    Nested and repeated entries share one application. Yields the patches applied.
+    """
+    with _COMPAT_SCOPE.active() as applied:
+        yield applied
+
+
+__all__ = ["apply_compat_patches"]

@@ -1,0 +1,427 @@
+"""Tree attention vs dense-mask, causal and flat attention, forward + backward, on one CUDA GPU.
+
+    PYTHONUNBUFFERED=1 python benchmarks/attention_bench.py --out benchmarks/results
+
+Workloads (built with the real packer, ``pack_trees``, one micro-batch of T = 32768 slots
+each, the fullest one): GRPO-like (prompts 1-4k, 8-16 samples, responses 0.2-2k),
+multi-turn agent trajectories, and a no-sharing batch. bf16, 16 query heads, 8 KV heads,
+head dim 128, batch 1. Methods, each timed forward and forward + backward with CUDA events
+(median of ``--iters`` after ``--warmup``):
+
+  flex_tree     ``flex_tree_attention`` over the T slots (block mask built once; its build
+                time is reported apart, with ``create_block_mask`` over the mask_mod for scale)
+  dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
+  causal_flash  SDPA flash backend, causal over all T slots (the per-pair reference)
+  causal_cudnn  SDPA cuDNN backend, causal over all T slots (for information)
+  flat_varlen   every original sequence causal on its own, packed varlen
+                (``torch.nn.attention.varlen``); flex with a document mask if that fails
+
+Per-pair efficiency of a method = (its useful (query, key) pairs / its time) over the same
+ratio for causal flash on T slots. Useful pairs: visible pairs of the tree mask for
+flex_tree and dense_sdpa, sum of L(L+1)/2 over sequences for flat, T(T+1)/2 for causal.
+Also: relative errors (vs float64) of flex_tree in fp32 and bf16 next to dense SDPA in
+bf16, and flex variants (block sizes, kernel options) on the GRPO workload; a variant the
+kernel refuses (e.g. block sizes below 128 on sm90, torch 2.11) is recorded with its error.
+Writes ``attention_<tag>.json`` and ``attention_<tag>.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.flex_attention import classify_blocks, flex_tree_attention, padded_length, tree_block_mask
+from megatron_tree.masks import dense_tree_mask
+from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
+
+HEADS, KV_HEADS, HEAD_DIM, SLOTS = 16, 8, 128, 32768
+
+VARIANTS = {
+    "bs128": dict(block_size=128),
+    "bs128_tma": dict(block_size=128, kernel_options={"USE_TMA": True}),
+    "bs128_fwd128x128": dict(
+        block_size=128, kernel_options={"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2}
+    ),
+    "bs128_fwd_tma": dict(block_size=128, kernel_options={"fwd_USE_TMA": True}),
+    "bs128_fwd_tma_128x128": dict(
+        block_size=128,
+        kernel_options={
+            "fwd_USE_TMA": True, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2,
+        },
+    ),
+    "bs128_bwd_stages2": dict(block_size=128, kernel_options={"bwd_num_stages": 2}),
+    "bs128_bwd_stages4": dict(block_size=128, kernel_options={"bwd_num_stages": 4}),
+    "bs128_bwd_warps4": dict(block_size=128, kernel_options={"bwd_num_warps": 4}),
+    "bs128_bwd64": dict(
+        block_size=128,
+        kernel_options={"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64},
+    ),
+    "bs128x64": dict(block_size=(128, 64), kernel_options={"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64}),
+    "bs64": dict(
+        block_size=64,
+        kernel_options={
+            "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
+            "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_warps": 4,
+        },
+    ),
+}
+
+
+def workloads(seed: int) -> dict[str, list[np.ndarray]]:
+    """Name -> rollout batch (list of 1-D token arrays)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "grpo": grpo_batch(
+            rng, n_prompts=8, samples=(8, 16), prompt_len=(1024, 4096), response_len=(200, 2000), vocab=150000
+        ),
+        "multi_turn": multi_turn_batch(
+            rng, n_conversations=8, turns=(8, 24), turn_len=(50, 400), fork_prob=0.2, system_len=1500, vocab=150000
+        ),
+        "no_sharing": no_sharing_batch(rng, n=64, length=(200, 2000), vocab=150000),
+    }
+
+
+def fullest_micro_batch(seqs: list[np.ndarray], slots: int):
+    """The micro-batch with the most unique tokens when ``seqs`` are packed into ``slots``-slot micro-batches."""
+    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=slots), pad_to_multiple_of=slots)
+    return max(mbs, key=lambda mb: mb.num_tokens)
+
+
+def doc_subtree_end(seq_lens: list[int], device) -> torch.Tensor:
+    """Interval encoding of disjoint causal sequences (document mask): int32 [sum(seq_lens)]."""
+    ends = np.repeat(np.cumsum(seq_lens), seq_lens)
+    return torch.as_tensor(ends, dtype=torch.int32, device=device)
+
+
+def cuda_time(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_time(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn()`` on the host clock, synchronising after each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_fwd_bwd(attn, inputs: list[torch.Tensor], grad_out: torch.Tensor, args) -> dict[str, float]:
+    """{'fwd_ms', 'fwd_bwd_ms'} of ``attn(*inputs)`` with gradients w.r.t. every input."""
+
+    def fwd():
+        return attn(*inputs)
+
+    def fwd_bwd():
+        for x in inputs:
+            x.grad = None
+        attn(*inputs).backward(grad_out)
+
+    return {
+        "fwd_ms": cuda_time(fwd, args.warmup, args.iters),
+        "fwd_bwd_ms": cuda_time(fwd_bwd, args.warmup, args.iters),
+    }
+
+
+def leaf(shape, dtype, device, gen) -> torch.Tensor:
+    return torch.randn(shape, device=device, dtype=torch.float32, generator=gen).to(dtype).requires_grad_()
+
+
+def sdpa_gqa(backend, **kw):
+    """SDPA on [b, h, T, d] with ``backend``; expands K/V heads when the backend refuses ``enable_gqa``."""
+
+    def attn(q, k, v):
+        with sdpa_kernel(backend):
+            try:
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+            except RuntimeError:
+                rep = q.shape[1] // k.shape[1]
+                return F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw
+                )
+
+    return attn
+
+
+def varlen_attention(cu_seqlens: torch.Tensor, max_len: int):
+    """Causal varlen attention over packed q [N, h, d], k/v [N, hkv, d], or None if unavailable."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    gqa = "enable_gqa" in params
+
+    def attn(q, k, v):
+        if gqa:
+            return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, enable_gqa=True, **kw)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
+
+    return attn
+
+
+def tree_pairs(end: torch.Tensor, num_tokens: int) -> int:
+    """Visible (query, key) pairs among the real slots: sum over keys of subtree size."""
+    idx = torch.arange(num_tokens, device=end.device)
+    return int((end[:num_tokens].long() - idx).sum())
+
+
+def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:
+    partial, full = classify_blocks(end, block_size)
+    nq, nk = partial.shape
+    return {"partial_blocks": int(partial.sum()), "full_blocks": int(full.sum()), "all_blocks": nq * nk}
+
+
+def bench_workload(name, seqs, args, dev, gen) -> dict:
+    mb = fullest_micro_batch(seqs, SLOTS)
+    end = mb.attention_mask[0].to(device=dev, dtype=torch.int32)
+    t = end.shape[0]
+    row = {
+        "workload": name,
+        "slots": t,
+        "unique_tokens": mb.num_tokens,
+        "original_tokens": mb.num_original_tokens,
+        "sequences": len(mb.seq_lens),
+        "tree_pairs": tree_pairs(end, mb.num_tokens),
+        "flat_pairs": sum(n * (n + 1) // 2 for n in mb.seq_lens),
+        "causal_pairs": t * (t + 1) // 2,
+        **block_stats(end, 128),
+    }
+    bf16 = torch.bfloat16
+    q = leaf((1, HEADS, t, HEAD_DIM), bf16, dev, gen)
+    k, v = (leaf((1, KV_HEADS, t, HEAD_DIM), bf16, dev, gen) for _ in range(2))
+    g = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+
+    row["block_mask_build_ms"] = wall_time(lambda: tree_block_mask(end.clone()), 3, args.iters)
+    end_long = end.long()
+    row["create_block_mask_ms"] = wall_time(
+        lambda: create_block_mask(
+            lambda b, h, qi, ki: (ki <= qi) & (qi < end_long[ki]), None, None, t, t, device=dev, BLOCK_SIZE=128
+        ),
+        1,
+        3,
+    )
+    times = {}
+    print(f"[{name}] T={t} unique={mb.num_tokens} original={mb.num_original_tokens}", flush=True)
+    times["flex_tree"] = time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, end), [q, k, v], g, args)
+    print(f"  flex_tree {times['flex_tree']}", flush=True)
+    if not args.skip_dense:
+        mask = dense_tree_mask(end)
+        times["dense_sdpa"] = time_fwd_bwd(sdpa_gqa(SDPBackend.EFFICIENT_ATTENTION, attn_mask=mask), [q, k, v], g, args)
+        print(f"  dense_sdpa {times['dense_sdpa']}", flush=True)
+        del mask
+    for method, backend in (("causal_flash", SDPBackend.FLASH_ATTENTION), ("causal_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            times[method] = time_fwd_bwd(sdpa_gqa(backend, is_causal=True), [q, k, v], g, args)
+            print(f"  {method} {times[method]}", flush=True)
+        except RuntimeError as exc:
+            row[f"{method}_error"] = str(exc).splitlines()[0]
+    times.update(bench_flat(mb.seq_lens, row, args, dev, gen))
+    row["times"] = times
+    pairs = {"flex_tree": row["tree_pairs"], "dense_sdpa": row["tree_pairs"], "causal_flash": row["causal_pairs"],
+             "causal_cudnn": row["causal_pairs"]}
+    pairs.update({m: row["flat_pairs"] for m in times if m.startswith("flat")})
+    ref = row["causal_pairs"] / times["causal_flash"]["fwd_bwd_ms"]
+    row["per_pair_efficiency_vs_causal_flash"] = {
+        m: pairs[m] / tm["fwd_bwd_ms"] / ref for m, tm in times.items()
+    }
+    return row
+
+
+def bench_flat(seq_lens, row, args, dev, gen) -> dict:
+    """Flat baseline: every original sequence causal on its own, packed one after another."""
+    n = sum(seq_lens)
+    bf16 = torch.bfloat16
+    q = leaf((n, HEADS, HEAD_DIM), bf16, dev, gen)
+    k, v = (leaf((n, KV_HEADS, HEAD_DIM), bf16, dev, gen) for _ in range(2))
+    g = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=dev)
+    attn = varlen_attention(cu, max(seq_lens))
+    if attn is not None:
+        try:
+            out = {"flat_varlen": time_fwd_bwd(attn, [q, k, v], g, args)}
+            print(f"  flat_varlen {out['flat_varlen']}", flush=True)
+            return out
+        except (RuntimeError, TypeError) as exc:
+            row["flat_varlen_error"] = str(exc).splitlines()[0]
+    end = doc_subtree_end(seq_lens, dev)
+    row["flat_flex_doc_slots"] = padded_length(n)
+
+    def flex_doc(q, k, v):
+        return flex_tree_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], end)
+
+    out = {"flat_flex_doc": time_fwd_bwd(flex_doc, [q, k, v], g.transpose(0, 1)[None], args)}
+    print(f"  flat_flex_doc {out['flat_flex_doc']}", flush=True)
+    return out
+
+
+def bench_variants(seqs, names, args, dev, gen) -> list[dict]:
+    """fwd / fwd+bwd ms of flex_tree_attention variants (block sizes, kernel options) on one workload."""
+    mb = fullest_micro_batch(seqs, SLOTS)
+    end = mb.attention_mask[0].to(device=dev, dtype=torch.int32)
+    t = end.shape[0]
+    bf16 = torch.bfloat16
+    q = leaf((1, HEADS, t, HEAD_DIM), bf16, dev, gen)
+    k, v = (leaf((1, KV_HEADS, t, HEAD_DIM), bf16, dev, gen) for _ in range(2))
+    g = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+    ref = flex_tree_attention(q, k, v, end).float()
+    rows = []
+    for name in names:
+        kw = VARIANTS[name]
+        row = {"variant": name, **{k_: str(v_) for k_, v_ in kw.items()}, **block_stats(end, kw["block_size"])}
+        try:
+            t0 = time.perf_counter()
+            out = flex_tree_attention(q, k, v, end, **kw)
+            out.backward(g)
+            torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - t0
+            row["rel_diff_vs_bs128"] = ((out.float() - ref).norm() / ref.norm()).item()
+            row.update(time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, end, **kw), [q, k, v], g, args))
+        except Exception as exc:  # a variant the kernel refuses is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"  variant {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def accuracy(dev, gen) -> dict:
+    """Relative errors vs float64 dense SDPA: flex fp32, flex bf16 and dense SDPA bf16 (out, dq, dk, dv)."""
+    rng = np.random.default_rng(1)
+    seqs = grpo_batch(rng, n_prompts=3, samples=(4, 8), prompt_len=(200, 800), response_len=(50, 400), vocab=150000)
+    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4000))[0]
+    end = mb.attention_mask[0].to(device=dev, dtype=torch.int32)
+    t = end.shape[0]
+    base = [torch.randn(s, device=dev, generator=gen) for s in
+            ((1, HEADS, t, HEAD_DIM), (1, KV_HEADS, t, HEAD_DIM), (1, KV_HEADS, t, HEAD_DIM), (1, HEADS, t, HEAD_DIM))]
+    mask = dense_tree_mask(end)
+
+    def run(fn, dtype):
+        q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in base[:3])
+        out = fn(q, k, v)
+        out.backward(base[3].to(dtype))
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    def dense(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def flex(q, k, v):
+        return flex_tree_attention(q, k, v, end)
+
+    ref = run(dense, torch.float64)
+
+    def err(xs):
+        return {n: ((x.double() - r).norm() / r.norm()).item() for n, x, r in zip(("out", "dq", "dk", "dv"), xs, ref)}
+
+    return {"slots": t, "flex_fp32": err(run(flex, torch.float32)), "flex_bf16": err(run(flex, torch.bfloat16)),
+            "dense_bf16": err(run(dense, torch.bfloat16))}
+
+
+def plot(result: dict, path: str) -> None:
+    """Two panels per workload: fwd+bwd ms (log) and per-pair efficiency vs causal flash."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["workloads"]
+    methods = ["flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "flat_varlen", "flat_flex_doc"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j for j, r in enumerate(rows) if m in r["times"]]
+        if not xs:
+            continue
+        ms = [rows[j]["times"][m]["fwd_bwd_ms"] for j in xs]
+        eff = [rows[j]["per_pair_efficiency_vs_causal_flash"][m] for j in xs]
+        axes[0].bar([x + i * width for x in xs], ms, width, label=m)
+        axes[1].bar([x + i * width for x in xs], eff, width, label=m)
+    for ax, title in zip(axes, ("fwd+bwd time (ms, log)", "useful pairs / s vs causal flash")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+        ax.set_xticklabels([f"{r['workload']}\nT={r['slots']}, uniq={r['unique_tokens']}" for r in rows])
+        ax.set_title(title)
+    axes[0].set_yscale("log")
+    axes[1].axhline(0.85, color="k", ls="--", lw=1)
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"Tree attention on {result['device']}: bf16, {HEADS} heads, {KV_HEADS} KV heads, d={HEAD_DIM}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workloads", nargs="*", default=["grpo", "multi_turn", "no_sharing"])
+    ap.add_argument("--variants", nargs="*", default=[n for n in VARIANTS if n != "bs128"], choices=list(VARIANTS))
+    ap.add_argument("--skip-dense", action="store_true", help="skip SDPA with the dense [T, T] mask")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_bench.py needs a CUDA GPU")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "batch": 1,
+                   "warmup": args.warmup, "iters": args.iters},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, f"attention_{args.tag}.json")
+    result["accuracy"] = accuracy(dev, gen)
+    print("accuracy", json.dumps(result["accuracy"]), flush=True)
+    batches = workloads(args.seed)
+    result["workloads"] = []
+    for name in args.workloads:
+        result["workloads"].append(bench_workload(name, batches[name], args, dev, gen))
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.variants:
+        result["variants_grpo"] = bench_variants(batches["grpo"], ["bs128", *args.variants], args, dev, gen)
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, f"attention_{args.tag}.png"))
+    print(f"\n{'workload':11s} {'method':14s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'pairs/s vs causal':>17s}")
+    for r in result["workloads"]:
+        for m, tm in r["times"].items():
+            eff = r["per_pair_efficiency_vs_causal_flash"][m]
+            print(f"{r['workload']:11s} {m:14s} {tm['fwd_ms']:8.2f} {tm['fwd_bwd_ms']:10.2f} {eff:17.2f}")
+        print(f"{r['workload']:11s} block mask build {r['block_mask_build_ms']:.2f} ms "
+              f"(create_block_mask {r['create_block_mask_ms']:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Tree core attention: Megatron's ``core_attention`` over a tree micro-batch.
+
+Shape legend: s = slots (query and key length, self-attention), b = batch (1 for a tree
+micro-batch), np = query heads per TP rank, ng = key/value heads per TP rank (GQA: np % ng == 0),
+hn = head dim.
+
+Megatron hands ``core_attention`` ``query [s, b, np, hn]``, ``key``/``value [s, b, ng, hn]`` and
+the ``attention_mask`` given to ``GPTModel.forward``. Here that mask is the interval vector
+``subtree_end`` (int ``[b, s]``, see :mod:`megatron_tree.masks`): key j is visible to query i iff
+``j <= i < subtree_end[b, j]``. The output is ``[s, b, np * hn]``.
+
+Backends turn the interval vector into what their kernel needs (``prepare``) and run attention
+(``attend``). ``prepare`` runs at most once per micro-batch: its result is cached on the mask
+tensor's memory, so the layers of a model and their recomputation share it. Backends are
+registered by name (:func:`register_tree_attention_backend`); ``"dense"`` materialises the
+``[s, s]`` mask (:func:`~megatron_tree.masks.dense_tree_mask`) and calls PyTorch SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tree.masks import dense_tree_mask
+
+__all__ = [
+    "TreeAttentionBackend",
+    "TreeCoreAttention",
+    "get_tree_attention_backend",
+    "register_tree_attention_backend",
+    "tree_attention",
+]
+
+
+@dataclass(frozen=True)
+class TreeAttentionBackend:
+    """A way to run tree attention.
+
+    prepare(subtree_end) -> Any
+        ``subtree_end`` int ``[b, s]`` (already validated). Returns what ``attend`` needs; it is
+        computed once per micro-batch and cached, so build the expensive parts here.
+    attend(query, key, value, prepared, *, scale, dropout_p) -> Tensor
+        ``query [b, np, s, hn]``, ``key``/``value [b, ng, s, hn]`` (GQA: np % ng == 0, query head h
+        reads key/value head ``h // (np // ng)``). Returns ``[b, np, s, hn]``; ``scale`` multiplies
+        ``q @ k^T``; ``dropout_p`` is the attention-probability dropout (0 in eval).
+    """
+
+    name: str
+    prepare: Callable[[torch.Tensor], Any]
+    attend: Callable[..., torch.Tensor]
+
+
+_BACKENDS: dict[str, TreeAttentionBackend] = {}
+
+
+def register_tree_attention_backend(backend: TreeAttentionBackend) -> None:
+    """Make ``backend`` selectable by its name; a second backend of the same name is an error."""
+    if not isinstance(backend, TreeAttentionBackend):
+        raise TypeError(f"expected a TreeAttentionBackend, got {type(backend).__name__}")
+    if backend.name in _BACKENDS:
+        raise ValueError(f"a tree attention backend named {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+
+
+def get_tree_attention_backend(name: str) -> TreeAttentionBackend:
+    """The registered backend called ``name``."""
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown tree attention backend {name!r}; registered: {sorted(_BACKENDS)}"
+        )
+    return _BACKENDS[name]
+
+
+def _dense_attend(query, key, value, allowed, *, scale, dropout_p):
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, dropout_p=dropout_p, scale=scale
+    )
+
+
+def _dense_prepare(subtree_end: torch.Tensor) -> torch.Tensor:
+    # [b, 1, s, s] bool, True = attend; the head dim broadcasts.
+    return torch.stack([dense_tree_mask(row) for row in subtree_end]).unsqueeze(1)
+
+
+register_tree_attention_backend(
+    TreeAttentionBackend(name="dense", prepare=_dense_prepare, attend=_dense_attend)
+)
+
+
+def check_subtree_end(subtree_end: torch.Tensor, batch: int, slots: int) -> None:
+    """Raise unless ``subtree_end`` is an int tensor ``[batch, slots]`` (no host sync)."""
+    if not isinstance(subtree_end, torch.Tensor):
+        raise TypeError(
+            f"tree attention needs attention_mask = the int interval vector [b, s] of a tree "
+            f"micro-batch (TreeMicroBatch.attention_mask), got {type(subtree_end).__name__}"
+        )
+    if subtree_end.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"tree attention needs an int32/int64 interval vector as attention_mask, got dtype "
+            f"{subtree_end.dtype} of shape {tuple(subtree_end.shape)}: pass "
+            f"TreeMicroBatch.attention_mask, not a dense or boolean mask"
+        )
+    if tuple(subtree_end.shape) != (batch, slots):
+        raise ValueError(
+            f"tree attention_mask has shape {tuple(subtree_end.shape)}, expected [b, s] = "
+            f"{[batch, slots]} (one subtree end per slot of the micro-batch)"
+        )
+
+
+def check_subtree_end_values(subtree_end: torch.Tensor) -> None:
+    """Raise unless ``j < subtree_end[:, j] <= s`` for every slot j (one host sync)."""
+    slots = subtree_end.shape[-1]
+    idx = torch.arange(slots, device=subtree_end.device)
+    if not bool(((subtree_end > idx) & (subtree_end <= slots)).all()):
+        raise ValueError(
+            f"tree attention_mask is not an interval vector: every slot j needs "
+            f"j < subtree_end[j] <= {slots}, got {subtree_end.tolist()}"
+        )
+
+
+class _PreparedMaskCache:
+    """What each backend prepared for the last few masks, keyed on the mask's memory.
+
+    Keys are (backend, device, data_ptr, shape, stride, version counter). The entry holds the
+    mask tensor itself, so its memory cannot be reused by another tensor while the entry lives;
+    ``detach()`` (done by activation recompute) shares memory and version counter, so a
+    recomputed layer finds the entry its forward made. In-place edits bump the version and miss
+    (edits through ``.data`` bypass the version counter: do not edit a mask in flight that way).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
+
+    def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor) -> Any:
+        """``backend.prepare(subtree_end)``, computed on the first call for this mask."""
+        key = (
+            backend.name,
+            str(subtree_end.device),
+            subtree_end.data_ptr(),
+            tuple(subtree_end.shape),
+            subtree_end.stride(),
+            None if subtree_end.is_inference() else subtree_end._version,
+        )
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit[1]
+        check_subtree_end_values(subtree_end)
+        prepared = backend.prepare(subtree_end)
+        self._entries[key] = (subtree_end, prepared)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return prepared
+
+    def clear(self) -> None:
+        """Drop every cached entry (frees the prepared masks)."""
+        self._entries.clear()
+
+
+# Two entries: the micro-batch in flight plus one whose backward (and recompute) is pending.
+PREPARED_MASKS = _PreparedMaskCache(capacity=2)
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    subtree_end: torch.Tensor,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "dense",
+) -> torch.Tensor:
+    """Attention of a DFS-laid-out tree micro-batch, Megatron layout.
+
+    query [s, b, np, hn], key/value [s, b, ng, hn], subtree_end int [b, s] -> [s, b, np * hn].
+    ``scale`` None means ``1 / sqrt(hn)``.
+    """
+    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
+        raise ValueError(
+            f"expected query [s, b, np, hn] and key/value [s, b, ng, hn], got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    s, b, n_q, hn = query.shape
+    if key.shape[0] != s or key.shape[1] != b or key.shape[3] != hn or n_q % key.shape[2]:
+        raise ValueError(
+            f"tree attention is self-attention over one micro-batch: key/value must be "
+            f"[{s}, {b}, ng, {hn}] with {n_q} % ng == 0, got {tuple(key.shape)}"
+        )
+    check_subtree_end(subtree_end, b, s)
+    impl = get_tree_attention_backend(backend)
+    prepared = PREPARED_MASKS.get(impl, subtree_end)
+    out = impl.attend(
+        query.permute(1, 2, 0, 3),
+        key.permute(1, 2, 0, 3),
+        value.permute(1, 2, 0, 3),
+        prepared,
+        scale=1.0 / math.sqrt(hn) if scale is None else scale,
+        dropout_p=dropout_p,
+    )
+    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * hn)
+
+
+def check_tree_attention_config(config: TransformerConfig) -> None:
+    """Raise if ``config`` asks for an attention feature tree attention does not implement."""
+    problems = []
+    if config.context_parallel_size != 1:
+        problems.append(
+            f"context_parallel_size={config.context_parallel_size} (set it to 1: tree attention "
+            f"needs every slot of the micro-batch on one rank)"
+        )
+    if config.window_size is not None:
+        problems.append(f"window_size={config.window_size} (sliding-window attention)")
+    if config.multi_latent_attention:
+        problems.append("multi_latent_attention=True (MLA)")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+        problems.append("qk_clip / log_max_attention_logit (max attention logits are not tracked)")
+    if problems:
+        raise ValueError("tree attention does not support: " + "; ".join(problems))
+
+
+class TreeCoreAttention(MegatronModule):
+    """Megatron ``core_attention`` module for tree micro-batches.
+
+    Built by ``SelfAttention`` through the layer spec (see :func:`megatron_tree.tree_layer_spec`)
+    with the standard keywords; ``backend`` (a registered name, default ``"dense"``) comes from
+    the spec's params. Called as ``(query [s, b, np, hn], key [s, b, ng, hn], value, attention_mask
+    int [b, s], *, attn_mask_type, attention_bias=None, packed_seq_params=None)``, returns
+    ``[s, b, np * hn]``. Scale: ``softmax_scale`` or ``1 / sqrt(kv_channels)``. Attention dropout
+    (``attention_dropout`` or ``config.attention_dropout``) applies in training mode only.
+
+    ``positions_from_ids`` starts False and the forward refuses to run until it is True:
+    upstream RoPE rotates slot i as position i, which is wrong for every branch laid out after a
+    sibling. :func:`megatron_tree.enable_tree_rope` sets it once the model's RoPE reads
+    ``position_ids``; set it yourself only when queries and keys already carry tree positions.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        backend: str = "dense",
+        **kwargs: Any,
+    ):
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(
+                f"TreeCoreAttention supports self-attention only, got attention_type="
+                f"{attention_type!r}; keep the upstream core attention for cross-attention"
+            )
+        if attn_mask_type != AttnMaskType.arbitrary:
+            raise ValueError(
+                f"TreeCoreAttention must be built with attn_mask_type=AttnMaskType.arbitrary, got "
+                f"{attn_mask_type}; build the layer spec with megatron_tree.tree_layer_spec"
+            )
+        check_tree_attention_config(config)
+        self.backend = get_tree_attention_backend(backend).name
+        self.layer_number = layer_number
+        self.softmax_scale = (
+            1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        )
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.positions_from_ids = False
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        """query [s, b, np, hn], key/value [s, b, ng, hn], attention_mask int [b, s] -> [s, b, np*hn]."""
+        if packed_seq_params is not None:
+            raise ValueError(
+                "TreeCoreAttention got packed_seq_params: tree micro-batches are one packed row "
+                "described by attention_mask; call the model with packed_seq_params=None"
+            )
+        if attention_bias is not None:
+            raise ValueError("TreeCoreAttention does not support attention_bias; pass None")
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.arbitrary:
+            raise ValueError(
+                f"TreeCoreAttention got attn_mask_type={attn_mask_type}; the tree mask is "
+                f"arbitrary (build the layer spec with megatron_tree.tree_layer_spec)"
+            )
+        if not self.positions_from_ids:
+            raise RuntimeError(
+                "TreeCoreAttention runs only in a model whose RoPE rotates by position_ids: call "
+                "megatron_tree.enable_tree_rope(model) after building it (building under "
+                "patch_bridge_for_tree_training does this)"
+            )
+        if attention_mask is None:
+            raise ValueError(
+                "TreeCoreAttention needs attention_mask = TreeMicroBatch.attention_mask (int [1, s])"
+            )
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # Like DotProductAttention: TP ranks hold different heads, so use the TP-rank RNG.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self._attend(query, key, value, attention_mask, dropout_p)
+        return self._attend(query, key, value, attention_mask, dropout_p)
+
+    def _attend(self, query, key, value, attention_mask, dropout_p):
+        return tree_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            backend=self.backend,
+        )

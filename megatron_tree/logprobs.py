@@ -1,0 +1,342 @@
+"""Per-sequence next-token log-probs (and entropy) from vocab-parallel tree logits.
+
+Shape legend: T = slots of the micro-batch, R = predicting rows (``R <= T``; rows
+``[R, T)`` are padding: never read, zero gradient), V_l = vocabulary shard of this rank
+(rank r of ``tp_group`` holds vocab ids ``[r * V_l, (r + 1) * V_l)``, V = V_l * tp),
+N = (slot, label) targets. N can be much larger than T: a shared prefix slot predicts
+one target per sequence (and per child) that passes through it.
+
+Math, for row s with ``x = logits[s] / temperature`` over the full vocabulary::
+
+    m[s] = max_v x_v       S[s] = sum_v exp(x_v - m)       A[s] = sum_v exp(x_v - m) (x_v - m)
+    lse[s] = m + log S     entropy[s] = log S - A / S      logprob_k = x[slot_k, label_k] - lse[slot_k]
+
+Each rank reduces its own shard. Per call: one MAX all-reduce (m), one SUM all-reduce
+(S, A and the N target logits, packed together), and one tiny MAX all-reduce of
+validation scalars; none per sequence. Backward needs no collective: every logit lives
+on one rank, and with lse and entropy saved per row its gradient is local::
+
+    d out / d x[s, v] = sum_{k: slot_k = s, label_k = v} g_k - p_v (G[s] + GH[s] (log p_v + entropy[s]))
+
+with ``G[s]``, ``GH[s]`` the sums of the log-prob and entropy output gradients of the
+targets predicted at s. The output layer's backward (Megatron's column-parallel linear)
+sums the partial input gradients across ranks, so the loss built on the returned values
+must be the same on every rank of ``tp_group`` (it is when computed from them alone).
+
+Memory: rows are processed in chunks of ``chunk_rows``; at most one fp32 copy of a chunk
+``[chunk_rows, V_l]`` exists at a time (two half-size ones in the entropy backward). The
+caller's logits are never written to.
+
+Layers: ``_forward_kernel`` / ``_backward_kernel`` (flat tensors) -> ``_TreeLogprobs``
+(autograd) -> ``vocab_parallel_logprobs`` / ``gather_tree_logprobs`` (validate, dispatch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_tree.microbatch import TreeMicroBatch
+
+_CHUNK_ELEMENTS = 1 << 26
+"""Default chunk budget: 2^26 fp32 values (256 MiB) per chunk."""
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+    """In-place all-reduce over ``group``; ``group=None`` means a single rank (no-op)."""
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _forward_kernel(
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    rows: int,
+    temperature: float,
+    with_entropy: bool,
+    chunk_rows: int,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Forward over flat inputs.
+
+    logits [T, V_l] float (read only), slots [N] long in ``[0, rows)``, labels [N] long
+    global vocab ids. Returns ``(logprobs [N], entropy [N] or None, lse [R], row_entropy
+    [R] or None)``, all fp32 and identical on every rank of ``tp_group``.
+    """
+    vocab_local = logits.shape[1]
+    # max commutes with division by a positive temperature (rounding is monotone).
+    row_max = logits[:rows].amax(dim=-1).float().div_(temperature)
+    _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
+
+    sum_exp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    sum_exp_shifted = torch.empty_like(sum_exp) if with_entropy else None
+    for start in range(0, rows, chunk_rows):
+        end = min(start + chunk_rows, rows)
+        buf = logits[start:end].to(torch.float32, copy=True)
+        buf.div_(temperature).sub_(row_max[start:end, None]).exp_()
+        sum_exp[start:end] = buf.sum(dim=-1)
+        if with_entropy:
+            # exp(y) * y == xlogy(e, e) for e = exp(y); reuses the buffer in place.
+            sum_exp_shifted[start:end] = torch.special.xlogy(buf, buf, out=buf).sum(dim=-1)
+        del buf  # free before the next chunk is allocated
+
+    local_col = labels - vocab_start
+    owned = (local_col >= 0) & (local_col < vocab_local)
+    target = logits[slots, local_col.clamp(0, vocab_local - 1)].float().div_(temperature)
+    target.masked_fill_(~owned, 0.0)
+
+    parts = [sum_exp, target] + ([sum_exp_shifted] if with_entropy else [])
+    packed = torch.cat(parts)
+    _all_reduce(packed, dist.ReduceOp.SUM, tp_group)
+    sum_exp, target, *rest = packed.split([p.numel() for p in parts])
+
+    log_sum_exp = sum_exp.log()
+    lse = row_max + log_sum_exp
+    logprobs = target - lse[slots]
+    if not with_entropy:
+        return logprobs, None, lse, None
+    row_entropy = log_sum_exp - rest[0] / sum_exp
+    return logprobs, row_entropy[slots], lse, row_entropy
+
+
+def _backward_kernel(
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    lse: torch.Tensor,
+    row_entropy: torch.Tensor | None,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    chunk_rows: int,
+) -> torch.Tensor:
+    """Gradient wrt the local shard ``logits [T, V_l]`` (same dtype), computed locally.
+
+    lse / row_entropy [R] fp32 from the forward; grad_logprobs / grad_entropy [N] or None
+    (an output that did not reach the loss).
+    """
+    rows, vocab_local = lse.numel(), logits.shape[1]
+    grad = torch.empty_like(logits)
+    grad[rows:].zero_()
+
+    def per_row(values: torch.Tensor | None) -> torch.Tensor:
+        total = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+        return total if values is None else total.index_add_(0, slots, values.float())
+
+    coef = per_row(grad_logprobs)  # G [R]
+    if grad_entropy is not None:
+        coef_entropy = per_row(grad_entropy)  # GH [R]
+        chunk_rows = max(1, chunk_rows // 2)  # two fp32 buffers below
+    local_col = labels - vocab_start
+    owned = (local_col >= 0) & (local_col < vocab_local)
+    target_grad = None if grad_logprobs is None else grad_logprobs.float()
+
+    for start in range(0, rows, chunk_rows):
+        end = min(start + chunk_rows, rows)
+        buf = logits[start:end].to(torch.float32, copy=True)
+        buf.div_(temperature).sub_(lse[start:end, None])  # log p
+        if grad_entropy is None:
+            buf.exp_().mul_(-coef[start:end, None])
+        else:
+            prob = buf.exp()
+            # -(p log p * GH + p (G + GH H)); xlogy keeps p = 0 (a -inf logit) at 0, not nan.
+            torch.special.xlogy(prob, prob, out=buf).mul_(coef_entropy[start:end, None])
+            shift = coef[start:end] + coef_entropy[start:end] * row_entropy[start:end]
+            buf.addcmul_(prob, shift[:, None]).neg_()
+            del prob
+        if target_grad is not None:  # + g_k at (slot_k, label_k) for targets in this chunk and shard
+            local_row = slots - start
+            hit = owned & (local_row >= 0) & (local_row < end - start)
+            index = (torch.where(hit, local_row, 0), torch.where(hit, local_col, 0))
+            buf.index_put_(index, torch.where(hit, target_grad, 0.0), accumulate=True)
+        grad[start:end] = buf.div_(temperature)
+        del buf
+    return grad
+
+
+class _TreeLogprobs(torch.autograd.Function):
+    """Autograd wrapper of the two kernels; inputs are already validated."""
+
+    @staticmethod
+    def forward(ctx, logits, slots, labels, vocab_start, rows, temperature, with_entropy, chunk_rows, tp_group):
+        ctx.set_materialize_grads(False)
+        logprobs, entropy, lse, row_entropy = _forward_kernel(
+            logits, slots, labels, vocab_start, rows, temperature, with_entropy, chunk_rows, tp_group
+        )
+        ctx.save_for_backward(logits, slots, labels, lse, row_entropy)
+        ctx.vocab_start, ctx.temperature, ctx.chunk_rows = vocab_start, temperature, chunk_rows
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy=None):
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 9
+        logits, slots, labels, lse, row_entropy = ctx.saved_tensors
+        grad = _backward_kernel(
+            logits, slots, labels, ctx.vocab_start, lse, row_entropy,
+            grad_logprobs, grad_entropy, ctx.temperature, ctx.chunk_rows,
+        )  # fmt: skip
+        return (grad,) + (None,) * 8
+
+
+def _check_across_ranks(
+    logits: torch.Tensor, slots: torch.Tensor, labels: torch.Tensor, rows: int, tp_group: dist.ProcessGroup | None
+) -> int:
+    """Check shard sizes agree across ``tp_group`` and slots / labels are in range.
+
+    One MAX all-reduce of 8 int64 scalars and one host sync; every rank sees the same
+    result, so all ranks raise together instead of some hanging in a later collective.
+    Returns this rank's index in ``tp_group``.
+    """
+    num_slots, vocab_local = logits.shape
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    stats = torch.tensor([vocab_local, -vocab_local, num_slots, -num_slots, 0, -1, 0, -1], device=logits.device)  # N = 0 passes
+    if slots.numel():
+        stats[4:] = torch.stack([-labels.min(), labels.max(), -slots.min(), slots.max()])
+    _all_reduce(stats, dist.ReduceOp.MAX, tp_group)
+    v_max, v_min, t_max, t_min, lab_min, lab_max, slot_min, slot_max = stats.tolist()
+    v_min, t_min, lab_min, slot_min = -v_min, -t_min, -lab_min, -slot_min
+    if v_min != v_max:
+        raise ValueError(
+            f"vocab shards differ across the {tp_size} ranks of tp_group: V_local from {v_min} to {v_max}. "
+            "Pass each rank's own [.., V/tp] logits of the same model, and the tensor-parallel group it was built with."
+        )
+    if t_min != t_max:
+        raise ValueError(
+            f"ranks of tp_group hold different micro-batches: T from {t_min} to {t_max}. "
+            "Every tensor-parallel rank must process the same micro-batch."
+        )
+    vocab = vocab_local * tp_size
+    if lab_min < 0 or lab_max >= vocab:
+        raise ValueError(
+            f"labels range over [{lab_min}, {lab_max}] but the vocabulary is [0, {vocab}) "
+            f"(V_local={vocab_local} x tp={tp_size}). Check the tokenizer/model pairing and that tp_group "
+            "is the group the output layer is sharded over."
+        )
+    if slot_min < 0 or slot_max >= rows:
+        raise ValueError(
+            f"slots range over [{slot_min}, {slot_max}] but only rows [0, {rows}) predict tokens. "
+            "Slots index the T dimension of logits, before padding."
+        )
+    return tp_rank
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    rows: int | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits[slots] / temperature)[labels]`` over a vocabulary sharded across ``tp_group``.
+
+    Args:
+      logits:   [T, V_l] float (any float dtype; math in fp32), this rank's vocab shard
+                ``[rank * V_l, (rank + 1) * V_l)``. Not modified.
+      slots:    [N] int, row of ``logits`` predicting each target, in ``[0, rows)``.
+      labels:   [N] int, global vocab id of each target, in ``[0, V_l * tp)``.
+      tp_group: tensor-parallel group the vocab is sharded over; ``None`` = one rank (TP 1).
+      temperature: > 0; logits are divided by it.
+      with_entropy: also return the entropy of each target's predicting distribution.
+      rows:     only rows ``[0, rows)`` are read (default T); later rows (padding) get zero grad.
+      chunk_rows: rows per fp32 work chunk (default: ~2^26 / V_l).
+
+    Returns:
+      logprobs [N] fp32, or ``(logprobs [N], entropy [N])`` fp32; identical on every rank
+      of ``tp_group``, differentiable wrt ``logits``.
+
+    Raises ValueError / TypeError on bad inputs. The range and cross-rank checks cost one
+    all-reduce of 8 scalars and one host sync per call.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.ndim != 2:
+        got = f"{type(logits).__name__} {getattr(logits, 'dtype', '')} shape {tuple(getattr(logits, 'shape', ()))}"
+        raise ValueError(f"logits must be a float tensor [T, V_local]; got {got}.")
+    num_slots, vocab_local = logits.shape
+    if vocab_local == 0:
+        raise ValueError("logits have an empty vocab shard (V_local = 0); pass the output layer's logits.")
+    for name, idx in (("slots", slots), ("labels", labels)):
+        if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.is_complex() or idx.ndim != 1:
+            got = f"{type(idx).__name__} {getattr(idx, 'dtype', '')} shape {tuple(getattr(idx, 'shape', ()))}"
+            raise ValueError(f"{name} must be a 1-D integer tensor [N]; got {got}.")
+        if idx.device != logits.device:
+            raise ValueError(
+                f"{name} is on {idx.device} but logits on {logits.device}; move it with .to(logits.device)."
+            )
+    if slots.numel() != labels.numel():
+        raise ValueError(f"slots and labels must pair up: {slots.numel()} slots vs {labels.numel()} labels.")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a Python float; got {type(temperature).__name__}.")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0; got {temperature}.")
+    rows = num_slots if rows is None else rows
+    if not 0 <= rows <= num_slots:
+        raise ValueError(f"rows must be in [0, T={num_slots}]; got {rows}.")
+    chunk_rows = max(1, _CHUNK_ELEMENTS // vocab_local) if chunk_rows is None else chunk_rows
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int; got {chunk_rows!r}.")
+    if tp_group is not None and not dist.is_initialized():
+        raise ValueError("tp_group was given but torch.distributed is not initialised; pass tp_group=None for TP 1.")
+
+    slots, labels = slots.long(), labels.long()
+    tp_rank = _check_across_ranks(logits, slots, labels, rows, tp_group)
+    return _TreeLogprobs.apply(
+        logits, slots, labels, tp_rank * vocab_local, rows, float(temperature), with_entropy, chunk_rows, tp_group
+    )
+
+
+def gather_tree_logprobs(
+    logits: torch.Tensor,
+    mb: TreeMicroBatch,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_rows: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence next-token log-probs of a tree micro-batch, from its vocab-parallel logits.
+
+    Args:
+      logits: [1, T, V_l] float, as ``GPTModel`` returns them without labels; this rank's
+              vocab shard over ``tp_group`` (``None`` = TP 1). Not modified.
+      mb:     the micro-batch the logits were computed from (on the logits' device).
+      temperature, with_entropy, chunk_rows: as in :func:`vocab_parallel_logprobs`.
+
+    Returns:
+      logprobs [N] fp32: for each sequence of ``mb.sequence_ids`` in order, its ``len - 1``
+      values ``log p(s[t+1] | s[:t+1])`` (sequence k at ``mb.cu_seqlens[k]:mb.cu_seqlens[k+1]``);
+      with ``with_entropy``, ``(logprobs [N], entropy [N])``, the entropy of each
+      predicting distribution (at ``temperature``).
+    """
+    if not isinstance(mb, TreeMicroBatch):
+        raise TypeError(f"mb must be a TreeMicroBatch (from pack_trees); got {type(mb).__name__}.")
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 3 or logits.shape[:2] != (1, mb.num_slots):
+        raise ValueError(
+            f"logits must be [1, T={mb.num_slots}, V_local] for this micro-batch; got shape "
+            f"{tuple(getattr(logits, 'shape', ()))}. Pass GPTModel's output for mb.input_ids (batch dim 1)."
+        )
+    num_targets = sum(n - 1 for n in mb.seq_lens)
+    if mb.logprob_slots.numel() != num_targets:
+        raise ValueError(
+            f"mb holds {mb.logprob_slots.numel()} targets but its seq_lens imply {num_targets}; "
+            "build it with pack_trees."
+        )
+    return vocab_parallel_logprobs(
+        logits.squeeze(0),
+        mb.logprob_slots,
+        mb.logprob_labels,
+        tp_group=tp_group,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        rows=mb.num_tokens,
+        chunk_rows=chunk_rows,
+    )

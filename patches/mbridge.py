@@ -1,0 +1,331 @@
+"""Patches and hooks for mbridge internals, one function per problem.
+
+Compatibility pieces (each returns the :class:`~patches._attr.AttrPatch` list its problem
+needs in this process, empty when the installed versions do not have it; applied by
+:func:`patches.apply_compat_patches`):
+
+- :func:`model_type_encoder_and_decoder` -- megatron-core releases whose ModelType lacks ``encoder_and_decoder``.
+- :func:`hf_rope_theta` -- transformers >= 5 moved ``rope_theta`` into ``rope_parameters``.
+- :func:`local_layer_spec` -- no Transformer Engine: build megatron-core's local spec.
+- :func:`local_spec_weight_names` -- map the local spec's parameter names to HF names.
+- :func:`qwen_moe_norm_topk_prob` -- follow the HF config's ``norm_topk_prob`` in the router.
+
+Hooks for code that swaps parts of the model (context managers, reverted on exit,
+nestable, entering one with a transform that is already active is a no-op):
+
+- :func:`layer_spec_hook` -- every decoder block spec the bridge builds passes through a function.
+- :func:`model_hook` -- every model chunk ``bridge.get_model`` returns passes through a function.
+
+Checked against mbridge 0.15.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+import types
+from typing import Any, Callable, Iterator
+
+from ._attr import AttrPatch, PatchScope
+
+# --------------------------------------------------------------------------- compat pieces
+
+_REMOVED_MODEL_TYPE = object()
+
+
+def model_type_encoder_and_decoder() -> list[AttrPatch]:
+    """Give ``mbridge.core.util`` a ``ModelType`` that still has ``encoder_and_decoder``.
+
+    Needed by mbridge 0.15.1 with megatron-core releases whose ``ModelType`` (the one in
+    ``megatron.core.transformer.enums`` that mbridge imports) has no ``encoder_and_decoder``
+    at all: ``mbridge.core.util.get_model`` compares against it and raises
+    ``AttributeError`` on every ``bridge.get_model``. (megatron-core 0.16.1 keeps it as a
+    deprecated class property, so the comparison is merely False there and this is a no-op.) The replacement namespace
+    holds the real members plus a sentinel for the removed one that equals no model type,
+    so mbridge's encoder-decoder branches are never taken. megatron-core's enum itself is
+    left untouched. No-op where the member exists.
+    """
+    from mbridge.core import util
+
+    if hasattr(util.ModelType, "encoder_and_decoder"):
+        return []
+    members = {member.name: member for member in util.ModelType}
+    legacy = types.SimpleNamespace(**members, encoder_and_decoder=_REMOVED_MODEL_TYPE)
+    return [AttrPatch(util, "ModelType", legacy, "megatron-core without ModelType.encoder_and_decoder")]
+
+
+def _expose_rope_theta(hf_config: Any) -> None:
+    """Set ``hf_config.rope_theta`` from ``hf_config.rope_parameters`` (transformers >= 5) if it is missing."""
+    if hasattr(hf_config, "rope_theta"):
+        return
+    params = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(
+            f"{type(hf_config).__name__}.rope_parameters has rope_type={rope_type!r}; mbridge 0.15.1 reads only "
+            f"rope_theta under transformers>=5 and would silently drop the scaling. Use a checkpoint with "
+            f"rope_type='default' or a transformers<5 / newer mbridge release."
+        )
+    hf_config.rope_theta = params["rope_theta"]
+
+
+def hf_rope_theta() -> list[AttrPatch]:
+    """Make ``hf_config.rope_theta`` exist again before a bridge is built (transformers >= 5).
+
+    Needed by mbridge 0.15.1 with transformers >= 5, where config classes keep RoPE
+    settings only in ``config.rope_parameters`` (``{"rope_type", "rope_theta", ...}``) and
+    ``config.rope_theta`` raises ``AttributeError``; mbridge reads ``hf_config.rope_theta``
+    (``LLMBridge._get_gptmodel_args``, ``LLaMABridge``). Wraps ``Bridge.__init__`` to copy
+    ``rope_parameters["rope_theta"]`` onto the config (and its ``text_config``, if any).
+    Non-default ``rope_type`` raises ``ValueError`` because mbridge would ignore it.
+    No-op when the config class still has ``rope_theta``.
+    """
+    import transformers
+    from mbridge.core.bridge import Bridge
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return []
+    original = Bridge.__init__
+
+    @functools.wraps(original)
+    def __init__(self, hf_config, *args, **kwargs):
+        _expose_rope_theta(hf_config)
+        text_config = getattr(hf_config, "text_config", None)
+        if text_config is not None:
+            _expose_rope_theta(text_config)
+        original(self, hf_config, *args, **kwargs)
+
+    return [AttrPatch(Bridge, "__init__", __init__, "transformers>=5 moved rope_theta into rope_parameters")]
+
+
+def _have_transformer_engine() -> bool:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE)
+
+
+def local_layer_spec() -> list[AttrPatch]:
+    """Build megatron-core's local (non-TE) GPT layer spec when Transformer Engine is unavailable.
+
+    Needed by mbridge 0.15.1 (all megatron-core versions) without Transformer Engine:
+    ``LLMBridge._get_transformer_layer_spec`` always calls
+    ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``, which fails
+    without TE. The replacement forces ``use_transformer_engine=False`` and passes the
+    config's ``normalization`` (so RMSNorm uses torch's RMSNorm even when Apex is
+    installed). No-op when megatron-core imported TE.
+    """
+    from mbridge.core import llm_bridge
+
+    if _have_transformer_engine():
+        return []
+    original = llm_bridge.get_gpt_decoder_block_spec
+
+    @functools.wraps(original)
+    def get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=None, *args, **kwargs):
+        return original(config, False, normalization or config.normalization, *args, **kwargs)
+
+    return [
+        AttrPatch(
+            llm_bridge, "get_gpt_decoder_block_spec", get_gpt_decoder_block_spec, "no Transformer Engine: local spec"
+        )
+    ]
+
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def _local_name_to_te_name(bridge: Any, name: str, consider_ep: bool) -> str:
+    """The TE-spec name mbridge's tables know for local-spec parameter ``name`` (unchanged if none).
+
+    ``…input_layernorm.weight`` -> ``…self_attention.linear_qkv.layer_norm_weight``;
+    ``…pre_mlp_layernorm.weight`` -> ``…mlp.linear_fc1.layer_norm_weight`` unless the bridge
+    maps ``pre_mlp_layernorm`` itself (MoE bridges); ``…mlp.experts.local_experts.I.linear_fcK.weight``
+    -> ``…mlp.experts.linear_fcK.weight{G}`` with the global expert id
+    ``G = I + num_experts / ep_size * ep_rank`` when ``consider_ep`` (else ``G = I``, as
+    mbridge's export expects before it gathers over expert parallel).
+    """
+    if name.endswith(".input_layernorm.weight"):
+        return name[: -len("input_layernorm.weight")] + "self_attention.linear_qkv.layer_norm_weight"
+    if name.endswith(".pre_mlp_layernorm.weight"):
+        if any("pre_mlp_layernorm" in key for key in bridge._MLP_MAPPING):
+            return name
+        return name[: -len("pre_mlp_layernorm.weight")] + "mlp.linear_fc1.layer_norm_weight"
+    match = _LOCAL_EXPERT.search(name)
+    if match is None:
+        return name
+    expert = int(match.group(1))
+    if consider_ep and bridge.mpu.ep_size > 1:
+        expert += bridge.config.num_moe_experts // bridge.mpu.ep_size * bridge.mpu.ep_rank
+    return f"{name[: match.start()]}.mlp.experts.{match.group(2)}.weight{expert}"
+
+
+def local_spec_weight_names() -> list[AttrPatch]:
+    """Map local-spec parameter names onto the names mbridge's weight tables know.
+
+    Needed by mbridge 0.15.1 whenever the local (non-TE) spec is used (see
+    :func:`local_layer_spec`): its tables only know TE-spec names, so
+    ``bridge.load_weights`` / ``export_weights`` raise ``NotImplementedError`` on
+    ``input_layernorm``, ``pre_mlp_layernorm`` (dense models) and
+    ``mlp.experts.local_experts.I.linear_fc{1,2}`` (MoE ``SequentialMLP``). Wraps
+    ``Bridge._weight_name_mapping_mcore_local_to_global`` so the "global" names it returns
+    are TE-spec names (:func:`_local_name_to_te_name`); expert ids become global under
+    expert parallel, as mbridge does for TE's grouped experts. Local experts are loaded
+    through the tensor-parallel path (fine at expert-tensor-parallel size = TP size, the
+    megatron default). No-op when megatron-core imported TE.
+    """
+    from mbridge.core.bridge import Bridge
+
+    if _have_transformer_engine():
+        return []
+    original = Bridge._weight_name_mapping_mcore_local_to_global
+
+    @functools.wraps(original)
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep=True):
+        mapping = original(self, model, consider_ep=consider_ep)
+        return {local: _local_name_to_te_name(self, name, consider_ep) for local, name in mapping.items()}
+
+    return [
+        AttrPatch(
+            Bridge,
+            "_weight_name_mapping_mcore_local_to_global",
+            _weight_name_mapping_mcore_local_to_global,
+            "no Transformer Engine: local-spec weight names",
+        )
+    ]
+
+
+def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
+    """Make the Qwen2-MoE / Qwen3-MoE router normalise the top-k probabilities iff ``hf_config.norm_topk_prob``.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``Qwen3MoEBridge``
+    hard-codes ``moe_router_pre_softmax=False`` (softmax over the top-k logits = normalised
+    top-k probabilities) and ``Qwen2MoEBridge`` hard-codes ``True`` (softmax over all
+    experts, top-k taken unnormalised), ignoring the checkpoint's ``norm_topk_prob``; a
+    Qwen3-MoE checkpoint with ``norm_topk_prob=False`` then gives logits off by ~0.3 on a
+    tiny model. Wraps both bridges' ``_build_config`` to set
+    ``moe_router_pre_softmax = not norm_topk_prob`` unless the caller set it through
+    ``bridge.set_extra_args``.
+    """
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
+    from mbridge.models.qwen3moe import Qwen3MoEBridge
+
+    def wrap(original):
+        @functools.wraps(original)
+        def _build_config(self):
+            config = original(self)
+            pre_softmax = not getattr(self.hf_config, "norm_topk_prob", not config.moe_router_pre_softmax)
+            if "moe_router_pre_softmax" in self.extra_args or config.moe_router_pre_softmax == pre_softmax:
+                return config
+            return dataclasses.replace(config, moe_router_pre_softmax=pre_softmax)
+
+        return _build_config
+
+    why = "mbridge ignores norm_topk_prob"
+    return [
+        AttrPatch(cls, "_build_config", wrap(vars(cls)["_build_config"]), why) for cls in (Qwen2MoEBridge, Qwen3MoEBridge)
+    ]
+
+
+def compat_patches() -> list[AttrPatch]:
+    """The mbridge compatibility patches this process needs (see each function)."""
+    return (
+        model_type_encoder_and_decoder()
+        + hf_rope_theta()
+        + local_layer_spec()
+        + local_spec_weight_names()
+        + qwen_moe_norm_topk_prob()
+    )
+
+
+# --------------------------------------------------------------------------- hooks
+
+_SPEC_TRANSFORMS: list[Callable[[Any], Any]] = []
+_MODEL_TRANSFORMS: list[Callable[[Any], Any]] = []
+
+
+def _apply_transforms(transforms: list[Callable[[Any], Any]], value: Any, what: str) -> Any:
+    for transform in tuple(transforms):
+        result = transform(value)
+        if result is None:
+            raise TypeError(f"{transform!r} returned None for a {what}; return the (possibly modified) {what}")
+        value = result
+    return value
+
+
+def _spec_hook_patches() -> list[AttrPatch]:
+    from mbridge.core.llm_bridge import LLMBridge
+
+    original = LLMBridge._get_transformer_layer_spec
+
+    @functools.wraps(original)
+    def _get_transformer_layer_spec(self, vp_stage=None):
+        return _apply_transforms(_SPEC_TRANSFORMS, original(self, vp_stage), "layer spec")
+
+    return [AttrPatch(LLMBridge, "_get_transformer_layer_spec", _get_transformer_layer_spec, "layer_spec_hook")]
+
+
+def _model_hook_patches() -> list[AttrPatch]:
+    from mbridge.core.bridge import Bridge
+
+    original = Bridge.get_model
+
+    @functools.wraps(original)
+    def get_model(self, *args, **kwargs):
+        return [_apply_transforms(_MODEL_TRANSFORMS, chunk, "model chunk") for chunk in original(self, *args, **kwargs)]
+
+    return [AttrPatch(Bridge, "get_model", get_model, "model_hook")]
+
+
+_SPEC_SCOPE = PatchScope(_spec_hook_patches)
+_MODEL_SCOPE = PatchScope(_model_hook_patches)
+
+
+@contextlib.contextmanager
+def _transform_hook(
+    transforms: list[Callable[[Any], Any]], scope: PatchScope, transform: Callable[[Any], Any], arg: str
+) -> Iterator[None]:
+    if not callable(transform):
+        raise TypeError(f"{arg} must be callable, got {transform!r} ({type(transform).__name__})")
+    if transform in transforms:
+        yield
+        return
+    with scope.active():
+        transforms.append(transform)
+        try:
+            yield
+        finally:
+            transforms.remove(transform)
+
+
+def layer_spec_hook(spec_transform: Callable[[Any], Any]) -> contextlib.AbstractContextManager[None]:
+    """Pass every decoder block spec an mbridge LLM bridge builds through ``spec_transform`` inside the block.
+
+    Wraps ``LLMBridge._get_transformer_layer_spec`` (mbridge 0.15.1), which every registered
+    LLM bridge inherits: Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, LLaMA, Mixtral, GLM4-MoE,
+    MiMo, DeepSeek-V3 (GLM4-VL overrides it but calls it first). What it returns -- and
+    ``spec_transform`` receives and must return -- is megatron-core's
+    ``TransformerBlockSubmodules`` (``layer_specs``: one ``ModuleSpec`` per layer of this
+    pipeline stage / virtual stage, ``layer_norm``: the final norm class), built for the
+    bridge's ``TransformerConfig`` by ``get_gpt_decoder_block_spec``.
+
+    The spec is built lazily, inside ``bridge.get_model(...)``, once per model chunk:
+    keep the block open across ``get_model``. Nested hooks apply outermost first;
+    entering with a transform that is already active changes nothing.
+    """
+    return _transform_hook(_SPEC_TRANSFORMS, _SPEC_SCOPE, spec_transform, "spec_transform")
+
+
+def model_hook(model_transform: Callable[[Any], Any]) -> contextlib.AbstractContextManager[None]:
+    """Pass every model chunk ``bridge.get_model(...)`` returns through ``model_transform`` inside the block.
+
+    Wraps ``Bridge.get_model`` (mbridge 0.15.1; no bridge overrides it). Each chunk (one
+    per virtual pipeline stage; a ``GPTModel``, wrapped in ``Float16Module`` for bf16/fp16
+    and in DDP for ``wrap_with_ddp=True``) is replaced by ``model_transform(chunk)``,
+    after weights given as ``get_model(weight_path=...)`` are loaded. Nested hooks apply
+    outermost first; entering with a transform that is already active changes nothing.
+    """
+    return _transform_hook(_MODEL_TRANSFORMS, _MODEL_SCOPE, model_transform, "model_transform")

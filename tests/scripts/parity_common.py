@@ -1,0 +1,140 @@
+"""Shared pieces of the tree-vs-per-sequence parity checks (pytest and torchrun scripts).
+
+Everything runs on CPU in fp32 inside :func:`megatron_tree.testing.cpu_mode`, after
+:func:`megatron_tree.testing.init_cpu_distributed`. Log-probs are dicts
+``{sequence id: fp32 [len - 1]}`` (``log p(s[t+1] | s[:t+1])``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.bridge import patch_bridge_for_tree_training
+from megatron_tree.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
+from megatron_tree.testing import cpu_transformer_overrides
+from patches import apply_compat_patches
+
+VOCAB = 160  # save_tiny_hf_checkpoint's vocabulary
+
+
+def branching_forest(seed: int = 0) -> list[list[int]]:
+    """Two prompts, each with a short branch that sorts (and is laid out) first, then long ones.
+
+    Per prompt p (6 tokens): ``p+[1]+2``, ``p+[2]+11``, ``p+[3]+9`` twice (a duplicate) and
+    ``p`` alone (a prefix of the others). Tokens 1..3 sort before every random token, so the
+    long branches come after a sibling in DFS order: rotating by packed index is wrong there.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, VOCAB, (n,), generator=gen).tolist()
+
+    seqs = []
+    for _ in range(2):
+        prompt = rand(6)
+        long_c = prompt + [3] + rand(9)
+        seqs += [prompt + [1] + rand(2), prompt + [2] + rand(11), long_c, list(long_c), prompt]
+    return seqs
+
+
+def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
+    """``pack_trees`` with a capacity that splits the forest into several micro-batches."""
+    return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))
+
+
+def build_model(hf_path: str, *, tree: bool, **config_overrides):
+    """fp32 model chunks built by mbridge from ``hf_path`` with its weights loaded.
+
+    ``tree=True`` builds under :func:`patch_bridge_for_tree_training` (tree attention and
+    per-token RoPE); ``tree=False`` builds the upstream (flat, causal) model.
+    ``config_overrides`` go to ``bridge.set_extra_args`` after the CPU overrides.
+    """
+    from mbridge import AutoBridge
+
+    with apply_compat_patches(), patch_bridge_for_tree_training(enable=tree):
+        bridge = AutoBridge.from_pretrained(os.fspath(hf_path), dtype=torch.float32)
+        moe = bridge.config.num_moe_experts is not None
+        bridge.set_extra_args(**cpu_transformer_overrides(moe=moe), **config_overrides)
+        chunks = bridge.get_model(bf16=False, fp16=False, wrap_with_ddp=False)
+        bridge.load_weights(chunks, os.fspath(hf_path))
+    return chunks
+
+
+def _tp_group():
+    group = parallel_state.get_tensor_model_parallel_group()
+    return group if group.size() > 1 else None
+
+
+def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
+    """Log-probs of every sequence held by the tree micro-batches ``mbs``."""
+    out = {}
+    for mb in mbs:
+        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+        lp = gather_tree_logprobs(logits, mb, tp_group=_tp_group())
+        for k, sid in enumerate(mb.sequence_ids):
+            out[sid] = lp[mb.cu_seqlens[k] : mb.cu_seqlens[k + 1]]
+    return out
+
+
+def flat_logprobs(model, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Log-probs of each sequence run alone (batch 1, causal) through an upstream model."""
+    out = {}
+    for sid, seq in enumerate(seqs):
+        ids = torch.tensor(seq)[None]
+        logits = model(ids, torch.arange(len(seq))[None], attention_mask=None)
+        out[sid] = vocab_parallel_logprobs(
+            logits[0], torch.arange(len(seq) - 1), ids[0, 1:], tp_group=_tp_group()
+        )
+    return out
+
+
+def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Log-probs of each sequence run alone through the Hugging Face model (eval, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for sid, seq in enumerate(seqs):
+            ids = torch.tensor(seq)[None]
+            logp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+            out[sid] = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+def max_diff(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
+    """Largest absolute difference over all sequences (both dicts must hold the same ids)."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
+
+
+def weighted_sum(logprobs: dict[int, torch.Tensor], seed: int = 1) -> torch.Tensor:
+    """``sum_k <w_k, logprobs[k]>``; ``w_k`` is fixed random per (seed, sequence id), so sums over
+    any split of the sequences (e.g. per micro-batch) add up to the sum over all of them."""
+    total = 0.0
+    for sid in sorted(logprobs):
+        gen = torch.Generator().manual_seed(seed * 100_003 + sid)
+        total = total + (torch.randn(logprobs[sid].shape, generator=gen) * logprobs[sid]).sum()
+    return total
+
+
+def param_grads(model) -> dict[str, torch.Tensor]:
+    """Gradient of every parameter that has one, by name (cloned; leaves ``.grad`` cleared)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads[name] = p.grad.detach().clone()
+            p.grad = None
+    return grads
+
+
+def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """max over parameters of ``max|got - want| / max|want|`` (same parameter names required)."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return max(
+        ((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want
+    )

@@ -1,0 +1,164 @@
+"""One training step through megatron-core's schedule: tree micro-batches vs one sequence per
+micro-batch, same model, same sequences; loss and gradients must agree (relative 1e-5).
+
+    torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --tp 2 --ckpt DIR
+    torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --pp 2 [--vpp 2] --ckpt DIR
+    torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --ep 2 --arch qwen3_moe --ckpt DIR
+
+Runs on CPU (gloo, fp32) and on GPUs (NCCL; ``--bf16`` reports the gaps instead of asserting).
+With DP > 1 the ranks get unequal numbers of trees; the model is wrapped in Megatron's DDP
+and gradients go through ``finalize_model_grads`` (per-token normalisation over all ranks).
+Prints ``PARITY rank=R loss_rel=... grad_rel=...`` and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from patches import apply_compat_patches
+from megatron_tree.losses import sft_loss
+from megatron_tree.packing import build_micro_batch
+from megatron_tree.testing import cpu_mode, cpu_transformer_overrides, init_cpu_distributed, save_tiny_hf_checkpoint
+
+
+def branching_batch(vocab: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Prompts with short first samples and a long last one (siblings before a long branch),
+    a duplicate, a prefix of another sequence, and a multi-turn chain with a fork."""
+    seqs = []
+    for g in range(3):
+        prompt = rng.integers(0, vocab, 10 + 3 * g)
+        for n in (2, 3, 17 + 2 * g):
+            seqs.append(np.concatenate([prompt, rng.integers(0, vocab, n)]))
+    seqs.append(seqs[0].copy())
+    seqs.append(seqs[4][:12].copy())
+    turn = rng.integers(0, vocab, 8)
+    for _ in range(3):
+        turn = np.concatenate([turn, rng.integers(0, vocab, 5)])
+        seqs.append(turn)
+    seqs.append(np.concatenate([seqs[-2], rng.integers(0, vocab, 9)]))
+    return seqs
+
+
+def loss_fn(logprobs, mb):
+    loss, metrics = sft_loss(logprobs, mb.cu_seqlens, reduction="sum")
+    return loss, metrics["normalizer"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--arch", default="qwen3")
+    ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoint (shared by ranks)")
+    ap.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--tol", type=float, default=1e-5)
+    args = ap.parse_args()
+
+    from mbridge import AutoBridge
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from megatron_tree.bridge import patch_bridge_for_tree_training
+    from megatron_tree.schedule import tree_forward_backward
+
+    cuda = torch.cuda.is_available()
+    # Runtime needs the compat patches too (MoE on megatron-core 0.16.1 without TE), so they
+    # stay open for the whole run, not only while the model is built.
+    with apply_compat_patches(), cpu_mode():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl")
+            ps.initialize_model_parallel(args.tp, args.pp, args.vpp, expert_model_parallel_size=args.ep)
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(7)
+        else:
+            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, seed=7)
+        path = save_tiny_hf_checkpoint(args.arch, args.ckpt, num_hidden_layers=args.layers)
+        with patch_bridge_for_tree_training():
+            bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+            extra = dict(calculate_per_token_loss=True, attention_dropout=0.0, hidden_dropout=0.0)
+            if not cuda:
+                extra.update(cpu_transformer_overrides(moe=args.arch.endswith("moe")))
+            elif args.arch.endswith("moe"):
+                extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+            if args.recompute == "full":
+                extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            elif args.recompute == "selective":
+                extra.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+            bridge.set_extra_args(**extra)
+            model = bridge.get_model(
+                bf16=args.bf16, fp16=False, wrap_with_ddp=True,
+                ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+            )
+            bridge.load_weights(model, path)
+        config = get_model_config(model[0])
+        config.finalize_model_grads_func = finalize_model_grads
+
+        dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+        seqs = branching_batch(bridge.hf_config.vocab_size, np.random.default_rng(0))
+        # Unequal work per DP rank: rank r gets every sequence i with i % dp == r, except that
+        # rank 0 also takes the whole multi-turn conversation (more trees there).
+        shares = [[i for i in range(len(seqs)) if i % dp == r] for r in range(dp)]
+        if dp > 1:
+            conv = list(range(len(seqs) - 4, len(seqs)))
+            shares = [[i for i in s if i not in conv] for s in shares]
+            shares[0] += conv
+        local = [seqs[i] for i in shares[dp_rank]]
+        divisor = (config.microbatch_group_size_per_vp_stage or args.pp) if args.vpp else 1
+
+        tree_mbs = pack_trees(local, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=divisor, n_mbs_divisor=divisor),
+                              dp_group=dp_group if dp > 1 else None)
+        flat_mbs = [build_micro_batch(local, [i]) for i in range(len(local))]
+        count = torch.tensor([len(flat_mbs)], device="cuda" if cuda else "cpu")
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+        k = -(-int(count) // divisor) * divisor
+        flat_mbs += [build_micro_batch(local, []) for _ in range(k - len(flat_mbs))]
+
+        def step(mbs):
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            losses = tree_forward_backward(model, mbs, loss_fn)
+            num = torch.zeros(2, dtype=torch.float64, device="cuda" if cuda else "cpu")
+            for item in losses:
+                num += item["loss"].to(num)
+            dist.all_reduce(num)
+            grads = torch.cat([p.main_grad.flatten().double() for c in model for p in c.parameters()])
+            return float(num[0] / num[1]), grads.clone()
+
+        tree_loss, tree_grad = step(tree_mbs)
+        flat_loss, flat_grad = step(flat_mbs)
+        rank = dist.get_rank()
+        loss_rel = abs(tree_loss - flat_loss) / abs(flat_loss)
+        grad_rel = float((tree_grad - flat_grad).abs().max() / flat_grad.abs().max().clamp(min=1e-30))
+        print(
+            f"PARITY rank={rank} tree_mbs={len(tree_mbs)} flat_mbs={len(flat_mbs)} loss={tree_loss:.7f} "
+            f"flat_loss={flat_loss:.7f} loss_rel={loss_rel:.3e} grad_rel={grad_rel:.3e} "
+            f"tree_tokens={sum(m.num_tokens for m in tree_mbs)} flat_tokens={sum(m.num_tokens for m in flat_mbs)}",
+            flush=True,
+        )
+        ok = args.bf16 or (loss_rel < args.tol and grad_rel < args.tol and float(flat_grad.abs().max()) > 0)
+        if dp > 1:
+            n = torch.tensor([len(tree_mbs)], device="cuda" if cuda else "cpu")
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
+            ok = ok and int(n) == len(tree_mbs)
+        dist.barrier()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""tree_layer_spec: swaps only core_attention and attn_mask_type; refuses what it cannot convert."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tree.attention import TreeCoreAttention
+from megatron_tree.layer_spec import tree_layer_spec
+from megatron_tree.testing import cpu_mode, destroy_cpu_distributed, init_cpu_distributed
+
+
+@pytest.fixture
+def cpu_megatron():  # get_gpt_decoder_block_spec reads the pipeline-parallel state
+    with cpu_mode():
+        init_cpu_distributed(tp=1)
+        yield
+        destroy_cpu_distributed()
+
+
+def config(**overrides) -> TransformerConfig:
+    return TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, **overrides)
+
+
+def assert_converted(before, after):
+    attn_before = before.submodules.self_attention
+    attn_after = after.submodules.self_attention
+    assert attn_after.params["attn_mask_type"] == AttnMaskType.arbitrary
+    assert attn_after.submodules.core_attention.module is TreeCoreAttention
+    assert attn_after.submodules.core_attention.params == {"backend": "dense"}
+    # Everything else is the upstream spec, untouched.
+    assert attn_after.module is attn_before.module
+    for field in dataclasses.fields(attn_before.submodules):
+        if field.name != "core_attention":
+            assert getattr(attn_after.submodules, field.name) is getattr(attn_before.submodules, field.name)
+    for field in dataclasses.fields(before.submodules):
+        if field.name != "self_attention":
+            assert getattr(after.submodules, field.name) is getattr(before.submodules, field.name)
+    assert after.module is before.module
+
+
+def test_layer_spec_is_converted_and_input_untouched():
+    spec = get_gpt_layer_local_spec(qk_layernorm=True)
+    converted = tree_layer_spec(spec)
+    assert_converted(spec, converted)
+    assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention
+    assert spec.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.causal
+    assert_converted(spec, tree_layer_spec(converted))  # idempotent
+
+
+def test_block_spec_every_layer_converted(cpu_megatron):
+    moe = config(num_moe_experts=4, moe_layer_freq=[1, 0])  # one MoE layer, one dense layer
+    block = get_gpt_decoder_block_spec(moe, use_transformer_engine=False, normalization="RMSNorm")
+    converted = tree_layer_spec(block)
+    assert len(converted.layer_specs) == len(block.layer_specs) == 2
+    for before, after in zip(block.layer_specs, converted.layer_specs):
+        assert_converted(before, after)
+    assert converted.layer_norm is block.layer_norm
+
+
+def test_refuses_mla():
+    with pytest.raises(ValueError, match="MLASelfAttention"):
+        tree_layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
+
+
+def test_refuses_non_self_attention_layers():
+    spec = get_gpt_layer_local_spec()
+    no_attn = dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=IdentityOp)
+    )
+    with pytest.raises(ValueError, match="IdentityOp"):
+        tree_layer_spec(no_attn)
+    with pytest.raises(TypeError, match="TransformerLayer"):
+        tree_layer_spec(spec.submodules.self_attention)
+
+
+def test_refuses_unconvertible_configs():
+    spec = get_gpt_layer_local_spec()
+    with pytest.raises(ValueError, match="window_size"):
+        tree_layer_spec(spec, config=config(window_size=(4, 0)))
+    with pytest.raises(ValueError, match="context_parallel_size=2"):
+        tree_layer_spec(spec, config=config(context_parallel_size=2))
+    with pytest.raises(ValueError, match="unknown tree attention backend"):
+        tree_layer_spec(spec, backend="nope")
