@@ -240,7 +240,7 @@ def main(argv=None):
                     f" iteration {step + 1:4d}/{cfg.train.steps} | loss {rec['loss']:.5f} | grad norm "
                     f"{rec['grad_norm']:.4f} | tokens/s {rec['tokens_per_s']:.0f} | tree_token_ratio "
                     f"{rec['tree_token_ratio']:.3f} | micro-batches {rec['micro_batches']} | mb imbalance "
-                    f"{rec['mb_imbalance']:.3f} | dp imbalance {rec['dp_token_imbalance']:.3f}"
+                    f"{rec['mb_imbalance']:.3f} | dp tree-token imbalance {rec['dp_tree_token_imbalance']:.3f}"
                 )
                 bar.write(line) if show else print(line, flush=True)
             if show:
@@ -271,6 +271,9 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
     dist.all_reduce(num)  # only last-stage ranks of each DP replica contribute, once per TP rank
     tp = ps.get_tensor_model_parallel_world_size()
     num /= tp
+    per_rank = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(ps.get_data_parallel_world_size())]
+    dist.all_gather(per_rank, torch.tensor([len(mbs), stats.tree_tokens], dtype=torch.float64, device=device),
+                    group=ps.get_data_parallel_group())
     dist.all_reduce(tokens, group=ps.get_data_parallel_group())
     original, tree = tokens.tolist()
     rank_tokens = [sum(len(seqs[i]) for i in idx) for idx in shares]
@@ -288,6 +291,9 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
         mb_imbalance=stats.balance.imbalance,
         mb_utilisation=stats.balance.utilisation,
         dp_token_imbalance=BalanceStats.of(rank_tokens).imbalance,
+        dp_micro_batches=[int(r[0]) for r in per_rank],
+        dp_tree_tokens=[int(r[1]) for r in per_rank],
+        dp_tree_token_imbalance=BalanceStats.of([float(r[1]) for r in per_rank]).imbalance,
     )
 
 

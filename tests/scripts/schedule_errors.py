@@ -1,0 +1,79 @@
+"""Bad input to tree_forward_backward gives a clear ValueError.
+
+    torchrun --nproc-per-node 2 tests/scripts/schedule_errors.py --ckpt DIR --pp 2 --vpp 2
+    torchrun --nproc-per-node 1 tests/scripts/schedule_errors.py --ckpt DIR
+
+The loss-function checks run at PP=1 only: a loss error is raised on the last pipeline
+stage alone, and the other stages would wait for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.testing import build_cpu_bridge_model, cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from patches import apply_compat_patches
+
+
+def expect(fn, pattern: str) -> None:
+    try:
+        fn()
+    except ValueError as e:
+        if pattern not in str(e):
+            raise AssertionError(f"error {e!r} does not mention {pattern!r}") from e
+        print(f"OK raised: {str(e)[:100]}", flush=True)
+        return
+    raise AssertionError(f"no ValueError mentioning {pattern!r}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int)
+    args = ap.parse_args()
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    from megatron_tree.bridge import patch_bridge_for_tree_training
+    from megatron_tree.schedule import tree_forward_backward
+
+    with apply_compat_patches(), cpu_mode():
+        init_cpu_distributed(pp=args.pp, vpp=args.vpp)
+        path = save_tiny_hf_checkpoint("qwen3", args.ckpt, num_hidden_layers=4)
+        with patch_bridge_for_tree_training():
+            _, model = build_cpu_bridge_model(path)
+        config = get_model_config(model[0])
+        rng = np.random.default_rng(0)
+        seqs = [rng.integers(0, 100, 20) for _ in range(6)]
+        mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=2, n_mbs_divisor=2))
+
+        def good_loss(lp, mb):
+            return -lp.sum(), lp.numel()
+
+        config.calculate_per_token_loss = False
+        expect(lambda: tree_forward_backward(model, mbs, good_loss), "calculate_per_token_loss=True")
+        config.calculate_per_token_loss = True
+        if args.vpp:
+            three = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=3))
+            assert len(three) == 3
+            expect(lambda: tree_forward_backward(model, three, good_loss), f"microbatch_group_size_per_vp_stage={args.pp}")
+        else:
+            expect(lambda: tree_forward_backward(model, mbs, lambda lp, mb: (-lp, lp.numel())), "scalar tensor")
+            expect(lambda: tree_forward_backward(model, mbs, lambda lp, mb: -lp.sum()), "(loss_sum, count)")
+        real = ps.get_context_parallel_world_size
+        ps.get_context_parallel_world_size = lambda: 2
+        try:
+            expect(lambda: tree_forward_backward(model, mbs, good_loss), "context parallel size 2")
+        finally:
+            ps.get_context_parallel_world_size = real
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
