@@ -101,15 +101,18 @@ def init_distributed(cfg: RunConfig, cuda: bool) -> None:
 
 def model_path(cfg: RunConfig) -> tuple[str, bool]:
     """(HF directory, whether to load its weights). Without ``hf_path``, rank 0 writes a
-    random tiny HF checkpoint of ``model.arch`` to a directory every rank derives alike."""
-    from megatron_tree.testing import save_tiny_hf_checkpoint
+    random HF checkpoint of ``model.arch`` (only its config with ``random_init``) to a
+    directory every rank derives alike."""
+    from megatron_tree.testing import save_hf_config, save_tiny_hf_checkpoint
 
-    if cfg.model.hf_path:
-        return cfg.model.hf_path, True
-    key = hashlib.sha1(json.dumps([cfg.model.arch, cfg.model.hf_overrides], sort_keys=True).encode()).hexdigest()[:10]
-    path = os.path.join(tempfile.gettempdir(), f"megatron_tree_{cfg.model.arch}_{key}")
-    save_tiny_hf_checkpoint(cfg.model.arch, path, seed=cfg.train.seed, **cfg.model.hf_overrides)
-    return path, True
+    m = cfg.model
+    if m.hf_path:
+        return m.hf_path, True
+    key = hashlib.sha1(json.dumps([m.arch, m.hf_overrides, m.random_init], sort_keys=True).encode()).hexdigest()[:10]
+    path = os.path.join(tempfile.gettempdir(), f"megatron_tree_{m.arch}_{key}")
+    if m.random_init:
+        return save_hf_config(m.arch, path, **m.hf_overrides), False
+    return save_tiny_hf_checkpoint(m.arch, path, seed=cfg.train.seed, **m.hf_overrides), True
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):

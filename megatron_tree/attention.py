@@ -123,10 +123,13 @@ def check_subtree_end_values(subtree_end: torch.Tensor) -> None:
     """Raise unless ``j < subtree_end[:, j] <= s`` for every slot j (one host sync)."""
     slots = subtree_end.shape[-1]
     idx = torch.arange(slots, device=subtree_end.device)
-    if not bool(((subtree_end > idx) & (subtree_end <= slots)).all()):
+    ok = (subtree_end > idx) & (subtree_end <= slots)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[:8].tolist()
         raise ValueError(
             f"tree attention_mask is not an interval vector: every slot j needs "
-            f"j < subtree_end[j] <= {slots}, got {subtree_end.tolist()}"
+            f"j < subtree_end[b, j] <= {slots}; violated at [b, j] = {bad} with values "
+            f"{[int(subtree_end[b, j]) for b, j in bad]}"
         )
 
 
@@ -171,6 +174,8 @@ class _PreparedMaskCache:
 
 
 # Two entries: the micro-batch in flight plus one whose backward (and recompute) is pending.
+# Deeper pipelines keep more micro-batches in flight: their recompute then prepares again
+# (correct, only slower). PREPARED_MASKS.clear() frees the cached masks after a step.
 PREPARED_MASKS = _PreparedMaskCache(capacity=2)
 
 
@@ -195,6 +200,11 @@ def tree_attention(
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
     s, b, n_q, hn = query.shape
+    if isinstance(subtree_end, torch.Tensor) and subtree_end.device != query.device:
+        raise ValueError(
+            f"attention_mask is on {subtree_end.device} but query is on {query.device}; move the "
+            f"micro-batch to the model's device (TreeMicroBatch.to)"
+        )
     if key.shape[0] != s or key.shape[1] != b or key.shape[3] != hn or n_q % key.shape[2]:
         raise ValueError(
             f"tree attention is self-attention over one micro-batch: key/value must be "

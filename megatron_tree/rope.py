@@ -104,9 +104,8 @@ def _gpt_models(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[GPTM
     return found
 
 
-def _install(gpt: GPTModel) -> None:
+def _check_supported(gpt: GPTModel) -> None:
     config = gpt.config
-    kind = gpt.position_embedding_type
     if config.context_parallel_size != 1:
         raise ValueError(
             f"tree RoPE needs context_parallel_size=1, got {config.context_parallel_size}"
@@ -121,43 +120,54 @@ def _install(gpt: GPTModel) -> None:
             "tree training does not support multi-token prediction (MTP shifts input_ids by one "
             "slot, which is not the next token at branch points); build the model without MTP"
         )
-    if kind == "mrope":
+    if gpt.position_embedding_type == "mrope":
         raise ValueError(
             "tree RoPE does not support position_embedding_type='mrope' (it reads 3-D position "
             "ids); tree micro-batches carry 1-D depths"
         )
-    if kind in ("rope", "yarn") and not isinstance(gpt.rotary_pos_emb, TreeRotaryEmbedding):
-        if not isinstance(gpt.rotary_pos_emb, RotaryEmbedding):
-            raise TypeError(
-                f"tree RoPE wraps megatron.core RotaryEmbedding, but this GPTModel's "
-                f"rotary_pos_emb is {type(gpt.rotary_pos_emb).__name__}"
+    if gpt.position_embedding_type in ("rope", "yarn") and not isinstance(
+        gpt.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding
+    ):
+        raise TypeError(
+            f"tree RoPE wraps megatron.core RotaryEmbedding, but this GPTModel's "
+            f"rotary_pos_emb is {type(gpt.rotary_pos_emb).__name__}"
+        )
+
+
+def _wrap_rotary(gpt: GPTModel) -> None:
+    """Swap in :class:`TreeRotaryEmbedding` and hand it ``position_ids`` around each forward."""
+    rope = TreeRotaryEmbedding(gpt.rotary_pos_emb, apply_rope_fusion=gpt.config.apply_rope_fusion)
+    gpt.rotary_pos_emb = rope
+    signature = inspect.signature(gpt.forward)
+
+    def capture(module, args, kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        if any(bound.get(k) is not None for k in ("inference_context", "inference_params")):
+            raise ValueError(
+                "tree RoPE does not support KV-cache inference (inference_context); score "
+                "tree micro-batches with inference_context=None"
             )
-        rope = TreeRotaryEmbedding(gpt.rotary_pos_emb, apply_rope_fusion=config.apply_rope_fusion)
-        gpt.rotary_pos_emb = rope
-        signature = inspect.signature(gpt.forward)
+        pos, mask = bound.get("position_ids"), bound.get("attention_mask")
+        tree_mask = isinstance(mask, torch.Tensor) and mask.dtype in (torch.int32, torch.int64)
+        if pos is None and tree_mask:
+            raise ValueError(
+                "the model got a tree attention_mask but position_ids=None: pass "
+                "TreeMicroBatch.position_ids (the depth of each slot) on every pipeline stage"
+            )
+        rope.position_ids = pos
 
-        def capture(module, args, kwargs):
-            bound = signature.bind(*args, **kwargs).arguments
-            if any(bound.get(k) is not None for k in ("inference_context", "inference_params")):
-                raise ValueError(
-                    "tree RoPE does not support KV-cache inference (inference_context); score "
-                    "tree micro-batches with inference_context=None"
-                )
-            pos = bound.get("position_ids")
-            mask = bound.get("attention_mask")
-            tree_mask = isinstance(mask, torch.Tensor) and mask.dtype in (torch.int32, torch.int64)
-            if pos is None and tree_mask:
-                raise ValueError(
-                    "the model got a tree attention_mask but position_ids=None: pass "
-                    "TreeMicroBatch.position_ids (the depth of each slot) on every pipeline stage"
-                )
-            rope.position_ids = pos
+    def release(module, args, kwargs, output):
+        rope.position_ids = None
 
-        def release(module, args, kwargs, output):
-            rope.position_ids = None
+    gpt.register_forward_pre_hook(capture, with_kwargs=True)
+    gpt.register_forward_hook(release, with_kwargs=True, always_call=True)
 
-        gpt.register_forward_pre_hook(capture, with_kwargs=True)
-        gpt.register_forward_hook(release, with_kwargs=True, always_call=True)
+
+def _install(gpt: GPTModel) -> None:
+    _check_supported(gpt)
+    rotary = gpt.position_embedding_type in ("rope", "yarn")
+    if rotary and not isinstance(gpt.rotary_pos_emb, TreeRotaryEmbedding):
+        _wrap_rotary(gpt)
     # learned_absolute already embeds position_ids; "none" has no positions: both are correct.
     for module in gpt.modules():
         if isinstance(module, TreeCoreAttention):

@@ -2,7 +2,7 @@
 
 A config file has five sections; every key is optional except where noted::
 
-    model:       {hf_path: /path/to/hf}  or  {arch: qwen3, hf_overrides: {hidden_size: 64, ...}}
+    model:       {hf_path: /path/to/hf}  or  {arch: qwen3, hf_overrides: {hidden_size: 64, ...}, random_init: false}
     parallel:    {tp: 1, pp: 1, vpp: null, ep: 1}            # dp = world / (tp * pp)
     micro_batch: {max_tokens_per_mb: 1024, ...}              # MicroBatchSpec fields
     data:        {workload: grpo | multi_turn, batch_size: ..., ... }
@@ -31,12 +31,14 @@ BALANCE = ("kk", "ffd", "round_robin")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """``hf_path``: an HF checkpoint (weights loaded); else ``arch`` + ``hf_overrides``: an HF
-    config of that architecture, Megatron's random init."""
+    """``hf_path``: an HF checkpoint (weights loaded). Else ``arch`` + ``hf_overrides``: a random
+    HF checkpoint of that architecture is written and loaded, or with ``random_init`` only its
+    config, and Megatron initialises the weights (large shapes for benchmarks)."""
 
     hf_path: str | None = None
     arch: str = "qwen3"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    random_init: bool = False
 
 
 @dataclass(kw_only=True)

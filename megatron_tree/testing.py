@@ -306,6 +306,20 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     return path
 
 
+def save_hf_config(arch: str, path: str | os.PathLike, **overrides: Any) -> str:
+    """Write only the HF ``config.json`` of ``arch`` (defaults as :func:`save_tiny_hf_checkpoint`,
+    changed by ``overrides``) to ``path``; return ``path``. For models that Megatron initialises
+    randomly (``AutoBridge.from_pretrained`` reads only the config). Rank 0 writes, then a barrier."""
+    import torch.distributed as dist
+
+    path = os.fspath(path)
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        _tiny_config(arch, overrides).save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
 def build_cpu_bridge_model(hf_path: str | os.PathLike, **get_model_kwargs: Any):
     """Build an fp32 megatron-core model from the HF checkpoint at ``hf_path`` with mbridge and load its weights.
 

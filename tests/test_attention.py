@@ -16,7 +16,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tree import attention as tree_attn_mod
-from megatron_tree.attention import PREPARED_MASKS, TreeCoreAttention, get_tree_attention_backend, tree_attention
+from megatron_tree.attention import (
+    PREPARED_MASKS,
+    TreeCoreAttention,
+    get_tree_attention_backend,
+    tree_attention,
+)
 
 FORESTS = {
     "branching": [[1, 2, 3, 4], [1, 2, 5, 6, 7, 8, 9], [1, 2, 3, 10], [11, 12], [1, 13]],
@@ -26,6 +31,7 @@ FORESTS = {
     "duplicates": [[1, 2, 3], [1, 2, 3], [1, 2], [4], [4]],
 }
 HEADS = [(4, 2, 8), (3, 3, 5), (6, 1, 7)]  # (np, ng, hn): GQA 2:1, MHA with odd hn, MQA
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def dfs_layout(seqs: list[list[int]], padding: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
@@ -65,7 +71,7 @@ def causal_reference(q, k, v, scale):
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     length = q.shape[0]
-    future = torch.ones(length, length, dtype=torch.bool).triu(1)
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
     probs = scores.masked_fill(future, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -94,9 +100,10 @@ def make_core(np_: int, ng: int, hn: int, **config_overrides) -> TreeCoreAttenti
     return core
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "np{}-ng{}-hn{}".format(*h))
 @pytest.mark.parametrize("forest", sorted(FORESTS))
-def test_matches_per_sequence_causal_attention(forest, heads):
+def test_matches_per_sequence_causal_attention(forest, heads, device):
     np_, ng, hn = heads
     seqs = FORESTS[forest]
     ends, paths = dfs_layout(seqs, padding=2)
@@ -107,9 +114,10 @@ def test_matches_per_sequence_causal_attention(forest, heads):
         for h in (np_, ng, ng)
     )
     core = make_core(np_, ng, hn)
-    out = core(q.float(), k.float(), v.float(), ends[None], attn_mask_type=AttnMaskType.arbitrary)
-    assert out.shape == (t, 1, np_ * hn)
-    out = out.view(t, np_, hn)
+    q32, k32, v32 = (x.to(device, torch.float32) for x in (q, k, v))
+    out = core(q32, k32, v32, ends[None].to(device), attn_mask_type=AttnMaskType.arbitrary)
+    assert out.shape == (t, 1, np_ * hn) and out.device.type == device
+    out = out.view(t, np_, hn).cpu()
 
     weights = [torch.randn(len(p), np_, hn, generator=gen, dtype=torch.float64) for p in paths]
     scale = 1.0 / math.sqrt(hn)
@@ -140,18 +148,19 @@ def test_batch_of_two_forests_and_softmax_scale():
             torch.testing.assert_close(out[p, b], ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_error_is_a_small_multiple_of_plain_path(dtype):
+def test_low_precision_error_is_a_small_multiple_of_plain_path(dtype, device):
     ends, paths = dfs_layout(FORESTS["branching"])
     t = ends.shape[0]
     q, k, v = (torch.randn(t, 1, h, 16, dtype=torch.float64) for h in (4, 2, 2))
     exact = tree_attention(q, k, v, ends[None]).view(t, 4, 16)
-    low = tree_attention(q.to(dtype), k.to(dtype), v.to(dtype), ends[None]).view(t, 4, 16)
+    ql, kl, vl = (x.to(device, dtype) for x in (q, k, v))
+    low = tree_attention(ql, kl, vl, ends[None].to(device)).view(t, 4, 16)
     assert low.dtype == dtype
-    tree_err = (low.double() - exact).abs().max()
+    tree_err = (low.double().cpu() - exact).abs().max()
     plain_err = max(
-        (causal_reference(q[p, 0].to(dtype), k[p, 0].to(dtype), v[p, 0].to(dtype), 0.25).double()
-         - exact[p]).abs().max()
+        (causal_reference(ql[p, 0], kl[p, 0], vl[p, 0], 0.25).double().cpu() - exact[p]).abs().max()
         for p in paths
     )
     assert tree_err <= 4 * plain_err + 1e-7, (tree_err, plain_err)

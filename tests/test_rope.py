@@ -22,9 +22,15 @@ from megatron_tree.attention import TreeCoreAttention
 from megatron_tree.layer_spec import tree_layer_spec
 from megatron_tree.logprobs import gather_tree_logprobs
 from megatron_tree.rope import TreeRotaryEmbedding, enable_tree_rope
-from megatron_tree.testing import cpu_mode, cpu_transformer_overrides, destroy_cpu_distributed, init_cpu_distributed
+from megatron_tree.testing import (
+    cpu_mode,
+    cpu_transformer_overrides,
+    destroy_cpu_distributed,
+    init_cpu_distributed,
+)
 
 VOCAB = 160
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 YARN = dict(
     yarn_rotary_scaling_factor=4.0,
     yarn_original_max_position_embeddings=16,
@@ -61,6 +67,7 @@ def tiny_config(**overrides) -> TransformerConfig:
         num_query_groups=2,
         kv_channels=8,
         normalization="RMSNorm",
+        qk_layernorm=True,
         attention_dropout=0.0,
         hidden_dropout=0.0,
         **{**cpu_transformer_overrides(moe=False), **overrides},
@@ -87,6 +94,7 @@ def tiny_tree_gpt(config_overrides=None, model_kwargs=None, *, enable=True) -> G
         for name, p in model.named_parameters():
             if name.endswith("layer_norm_weight") or "layernorm" in name:
                 p.add_(0.3 * torch.randn_like(p))
+    model.to(DEVICE)
     return enable_tree_rope(model).eval() if enable else model.eval()
 
 
@@ -94,6 +102,7 @@ def logprobs_of(model, mbs) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
         for mb in mbs:
+            mb = mb.to(DEVICE)
             lp = gather_tree_logprobs(model(mb.input_ids, mb.position_ids, mb.attention_mask), mb)
             for k, sid in enumerate(mb.sequence_ids):
                 out[sid] = lp[mb.cu_seqlens[k] : mb.cu_seqlens[k + 1]]
@@ -156,14 +165,14 @@ def test_enable_is_idempotent_and_takes_model_chunks():
 
 def test_tree_attention_refuses_a_model_without_tree_rope():
     model = tiny_tree_gpt(enable=False)
-    mb = micro_batches(branching_forest())[0]
+    mb = micro_batches(branching_forest())[0].to(DEVICE)
     with torch.no_grad(), pytest.raises(RuntimeError, match="enable_tree_rope"):
         model(mb.input_ids, mb.position_ids, mb.attention_mask)
 
 
 def test_position_ids_required_with_a_tree_mask():
     model = tiny_tree_gpt()
-    mb = micro_batches(branching_forest())[0]
+    mb = micro_batches(branching_forest())[0].to(DEVICE)
     with torch.no_grad(), pytest.raises(ValueError, match="position_ids=None"):
         model(mb.input_ids, None, mb.attention_mask)
     with torch.no_grad(), pytest.raises(ValueError, match="position_ids has shape"):

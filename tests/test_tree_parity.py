@@ -97,6 +97,18 @@ def test_packed_index_rope_is_detected(checkpoints, forest):
     assert bad > 1e-3
 
 
+def test_bf16_error_is_a_small_multiple_of_flat(checkpoints, forest):
+    """bf16 tree log-probs are as close to fp32 HF as bf16 per-sequence runs are (k = 4)."""
+    seqs, mbs = forest
+    path = checkpoints["qwen3"]
+    want = hf_logprobs(path, seqs)
+    with torch.no_grad():
+        tree_err = max_diff(tree_logprobs(build_model(path, tree=True, bf16=True)[0].eval(), mbs), want)
+        flat_err = max_diff(flat_logprobs(build_model(path, tree=False, bf16=True)[0].eval(), seqs), want)
+    print(f"bf16: tree {tree_err:.3g}, flat {flat_err:.3g}")
+    assert tree_err <= 4 * flat_err
+
+
 def test_tree_model_needs_position_ids(checkpoints, forest):
     _, mbs = forest
     model = build_model(checkpoints["qwen3"], tree=True)[0].eval()
@@ -115,6 +127,8 @@ RECOMPUTE = {
 # CPU shim's TorchFunctionMode is not active (autograd does not carry Python torch-function
 # modes into backward), and the MoE router moves its weight with `.to(device=0)`.
 GRAD_CASES = [("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective")]
+if torch.cuda.is_available():
+    GRAD_CASES.append(("qwen3_moe", "full"))
 
 
 @pytest.mark.parametrize("arch,recompute", GRAD_CASES)

@@ -46,8 +46,9 @@ def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
     return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))
 
 
-def build_model(hf_path: str, *, tree: bool, **config_overrides):
-    """fp32 model chunks built by mbridge from ``hf_path`` with its weights loaded.
+def build_model(hf_path: str, *, tree: bool, bf16: bool = False, **config_overrides):
+    """Model chunks built by mbridge from ``hf_path`` with its weights loaded (fp32, or bf16
+    wrapped in ``Float16Module`` whose outputs are fp32).
 
     ``tree=True`` builds under :func:`patch_bridge_for_tree_training` (tree attention and
     per-token RoPE); ``tree=False`` builds the upstream (flat, causal) model.
@@ -56,10 +57,11 @@ def build_model(hf_path: str, *, tree: bool, **config_overrides):
     from mbridge import AutoBridge
 
     with apply_compat_patches(), patch_bridge_for_tree_training(enable=tree):
-        bridge = AutoBridge.from_pretrained(os.fspath(hf_path), dtype=torch.float32)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        bridge = AutoBridge.from_pretrained(os.fspath(hf_path), dtype=dtype)
         moe = bridge.config.num_moe_experts is not None
         bridge.set_extra_args(**cpu_transformer_overrides(moe=moe), **config_overrides)
-        chunks = bridge.get_model(bf16=False, fp16=False, wrap_with_ddp=False)
+        chunks = bridge.get_model(bf16=bf16, fp16=False, wrap_with_ddp=False)
         bridge.load_weights(chunks, os.fspath(hf_path))
     return chunks
 
@@ -69,10 +71,15 @@ def _tp_group():
     return group if group.size() > 1 else None
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
-    """Log-probs of every sequence held by the tree micro-batches ``mbs``."""
+    """Log-probs of every sequence held by the tree micro-batches ``mbs`` (on the model's device)."""
     out = {}
     for mb in mbs:
+        mb = mb.to(_device(model))
         logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
         lp = gather_tree_logprobs(logits, mb, tp_group=_tp_group())
         for k, sid in enumerate(mb.sequence_ids):
@@ -83,11 +90,13 @@ def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
 def flat_logprobs(model, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
     """Log-probs of each sequence run alone (batch 1, causal) through an upstream model."""
     out = {}
+    device = _device(model)
     for sid, seq in enumerate(seqs):
-        ids = torch.tensor(seq)[None]
-        logits = model(ids, torch.arange(len(seq))[None], attention_mask=None)
+        ids = torch.tensor(seq, device=device)[None]
+        positions = torch.arange(len(seq), device=device)[None]
+        logits = model(ids, positions, attention_mask=None)
         out[sid] = vocab_parallel_logprobs(
-            logits[0], torch.arange(len(seq) - 1), ids[0, 1:], tp_group=_tp_group()
+            logits[0], positions[0, :-1], ids[0, 1:], tp_group=_tp_group()
         )
     return out
 
@@ -109,7 +118,7 @@ def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
 def max_diff(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
     """Largest absolute difference over all sequences (both dicts must hold the same ids)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
+    return max((a[k].detach().cpu() - b[k].detach().cpu()).abs().max().item() for k in a)
 
 
 def weighted_sum(logprobs: dict[int, torch.Tensor], seed: int = 1) -> torch.Tensor:
@@ -118,7 +127,8 @@ def weighted_sum(logprobs: dict[int, torch.Tensor], seed: int = 1) -> torch.Tens
     total = 0.0
     for sid in sorted(logprobs):
         gen = torch.Generator().manual_seed(seed * 100_003 + sid)
-        total = total + (torch.randn(logprobs[sid].shape, generator=gen) * logprobs[sid]).sum()
+        weights = torch.randn(logprobs[sid].shape, generator=gen).to(logprobs[sid].device)
+        total = total + (weights * logprobs[sid]).sum()
     return total
 
 

@@ -36,7 +36,12 @@ from scripts.parity_common import (
     weighted_sum,
 )
 
-from megatron_tree.testing import cpu_mode, destroy_cpu_distributed, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.testing import (
+    cpu_mode,
+    destroy_cpu_distributed,
+    init_cpu_distributed,
+    save_tiny_hf_checkpoint,
+)
 from patches import apply_compat_patches
 
 TOL = 1e-5

@@ -149,6 +149,22 @@ def main():
             f"tree_tokens={sum(m.num_tokens for m in tree_mbs)} flat_tokens={sum(m.num_tokens for m in flat_mbs)}",
             flush=True,
         )
+        if args.bf16:
+            # The flat path's own bf16 noise: the same flat step with the micro-batches reversed,
+            # and with the sequences packed several to a micro-batch (chains, no sharing).
+            rev_loss, rev_grad = step(flat_mbs[::-1])
+            packed = pack_trees(local, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=divisor, n_mbs_divisor=divisor),
+                                dp_group=dp_group if dp > 1 else None, share_prefixes=False)
+            pk_loss, pk_grad = step(packed)
+            scale = float(flat_grad.abs().max())
+            print(
+                f"BF16NOISE rank={rank} tree_vs_flat loss_rel={loss_rel:.3e} grad_rel={grad_rel:.3e} | "
+                f"flat_reordered loss_rel={abs(rev_loss - flat_loss) / abs(flat_loss):.3e} "
+                f"grad_rel={float((rev_grad - flat_grad).abs().max()) / scale:.3e} | "
+                f"flat_packed loss_rel={abs(pk_loss - flat_loss) / abs(flat_loss):.3e} "
+                f"grad_rel={float((pk_grad - flat_grad).abs().max()) / scale:.3e}",
+                flush=True,
+            )
         ok = args.bf16 or (loss_rel < args.tol and grad_rel < args.tol and float(flat_grad.abs().max()) > 0)
         if dp > 1:
             n = torch.tensor([len(tree_mbs)], device="cuda" if cuda else "cpu")

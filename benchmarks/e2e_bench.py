@@ -1,0 +1,161 @@
+"""Tree vs flat training steps on one GPU: same model, same rollout batch, same run.
+
+    python benchmarks/e2e_bench.py --model qwen3-0.6b --out benchmarks/results/e2e_qwen3-0.6b.json
+
+Flat = every sequence its own causal chain, packed several to a micro-batch up to the same
+``max_tokens_per_mb`` (block-diagonal causal attention through the same block-sparse
+kernel: a varlen flash-class baseline). Tree = prefix trees. Both run Megatron's
+``forward_backward_func`` + optimizer step on the same bf16 model. Reported per workload:
+median step time, tokens/s of original tokens, peak memory, token ratio, the FLOP-ideal
+speedup (FLOPs flat / FLOPs tree, linear layers by tokens and attention by computed
+(query, key) pairs, on the single global trie) and the achieved fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+from megatron_tree import MicroBatchSpec, build_forest, pack_trees  # noqa: E402
+from megatron_tree.run_config import RunConfig  # noqa: E402
+from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch  # noqa: E402
+from megatron_tree.tree import as_sequences  # noqa: E402
+
+MODELS = {
+    # HF config overrides of random-init Qwen3 shapes (Megatron initialises the weights).
+    "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128)),
+    "qwen3-1.7b": ("qwen3", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128)),
+    "qwen3-4b": ("qwen3", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
+    "qwen3-moe-2b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                       moe_intermediate_size=768, num_hidden_layers=12, num_attention_heads=16,
+                                       num_key_value_heads=4, head_dim=128, num_experts=16, num_experts_per_tok=4)),
+}
+
+
+def workloads(name: str, rng: np.random.Generator, vocab: int):
+    if name == "grpo":  # prompt 1-4k, 8-16 samples, responses 0.2-2k
+        return grpo_batch(rng, n_prompts=4, samples=(8, 16), prompt_len=(1024, 4096), response_len=(200, 2000),
+                          vocab=vocab)
+    if name == "multi_turn":  # tau-bench-like agent trees: many turns, forks
+        return multi_turn_batch(rng, n_conversations=6, turns=(8, 16), turn_len=(100, 600), fork_prob=0.25,
+                                system_len=1500, vocab=vocab)
+    if name == "no_sharing":
+        return no_sharing_batch(rng, n=48, length=(500, 3000), vocab=vocab)
+    raise ValueError(f"unknown workload {name!r}; choose grpo, multi_turn, no_sharing")
+
+
+def flops_per_token_and_pair(cfg) -> tuple[float, float]:
+    """fwd+bwd FLOPs (3x forward) of one token through the linear layers, and of one (q, k) pair."""
+    h, layers, v = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    attn_proj = h * nq * d + 2 * h * nkv * d + nq * d * h
+    if getattr(cfg, "num_experts", None):
+        mlp = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts
+    else:
+        mlp = 3 * h * cfg.intermediate_size
+    per_token = 3 * 2 * (layers * (attn_proj + mlp) + h * v)
+    per_pair = 3 * 2 * 2 * nq * d * layers  # QK^T and PV
+    return float(per_token), float(per_pair)
+
+
+def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], int]:
+    from megatron_tree.schedule import tree_forward_backward
+
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        tree_forward_backward(model, mbs, loss_fn)
+        optimizer.step()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times, torch.cuda.max_memory_allocated()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
+    ap.add_argument("--workloads", default="grpo,multi_turn,no_sharing")
+    ap.add_argument("--max-tokens-per-mb", type=int, default=16384)
+    ap.add_argument("--recompute", default="none", choices=["none", "full", "selective"])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("e2e_bench needs a CUDA GPU (it measures bf16 kernels)")
+    import train_tree
+
+    from patches import apply_compat_patches
+
+    arch, overrides = MODELS[args.model]
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"arch": arch, "hf_overrides": overrides, "random_init": True},
+            "micro_batch": {"max_tokens_per_mb": args.max_tokens_per_mb, "packing_algorithm": "kk"},
+            "train": {"bf16": True, "recompute": args.recompute, "lr": 1e-5},
+        }
+    )
+    rows = []
+    with apply_compat_patches():
+        train_tree.init_distributed(cfg, cuda=True)
+        path, load = train_tree.model_path(cfg)
+        model, optimizer, vocab = train_tree.build_model(cfg, path, load, cuda=True)
+        from mbridge import AutoBridge
+
+        hf_cfg = AutoBridge.from_pretrained(path).hf_config
+        per_token, per_pair = flops_per_token_and_pair(hf_cfg)
+        loss_fn = train_tree.make_loss_fn(cfg, advantages=None)
+        for name in args.workloads.split(","):
+            seqs = workloads(name, np.random.default_rng(0), vocab)
+            forest = build_forest(as_sequences(seqs))
+            lens = np.array([len(s) for s in seqs], dtype=np.float64)
+            original, unique = float(lens.sum()), float(forest.num_tokens)
+            flat_pairs = float((lens * (lens + 1) / 2).sum())
+            tree_pairs = float((forest.depth + 1).sum())
+            flops_flat = per_token * original + per_pair * flat_pairs
+            flops_tree = per_token * unique + per_pair * tree_pairs
+            row = dict(model=args.model, workload=name, sequences=len(seqs), original_tokens=int(original),
+                       unique_tokens=int(unique), token_ratio=unique / original, flat_pairs=flat_pairs,
+                       tree_pairs=tree_pairs, flop_ideal_speedup=flops_flat / flops_tree,
+                       max_tokens_per_mb=args.max_tokens_per_mb, recompute=args.recompute)
+            spec = cfg.micro_batch
+            for mode in ("flat", "tree"):
+                mbs = pack_trees(seqs, spec, share_prefixes=mode == "tree", pad_to_multiple_of=128)
+                times, peak = timed_steps(model, optimizer, mbs, loss_fn, args.warmup, args.steps)
+                step_s = statistics.median(times)
+                row[mode] = dict(step_s=step_s, step_times=times, tokens_per_s=original / step_s,
+                                 peak_mem_gib=peak / 2**30, micro_batches=len(mbs),
+                                 computed_tokens=sum(mb.num_tokens for mb in mbs),
+                                 tflops_per_s=(flops_flat if mode == "flat" else flops_tree) / step_s / 1e12)
+            row["speedup"] = row["flat"]["step_s"] / row["tree"]["step_s"]
+            row["achieved_fraction_of_ideal"] = row["speedup"] / row["flop_ideal_speedup"]
+            rows.append(row)
+            print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
+                  f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
+                  f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['peak_mem_gib']:.1f}GiB "
+                  f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['peak_mem_gib']:.1f}GiB", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
