@@ -127,7 +127,7 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     # Tree attention also runs the flat baseline (each sequence its own chain), so both
     # modes use the same kernels; only the packing differs.
-    with patch_bridge_for_tree_training():
+    with patch_bridge_for_tree_training(backend=cfg.train.attention_backend):
         bridge = AutoBridge.from_pretrained(path, dtype=dtype)
         moe = bool(getattr(bridge.hf_config, "num_experts", 0) or getattr(bridge.hf_config, "num_local_experts", 0))
         extra = dict(calculate_per_token_loss=True)

@@ -12,8 +12,11 @@ the ``attention_mask`` given to ``GPTModel.forward``. Here that mask is the inte
 Backends turn the interval vector into what their kernel needs (``prepare``) and run attention
 (``attend``). ``prepare`` runs at most once per micro-batch: its result is cached on the mask
 tensor's memory, so the layers of a model and their recomputation share it. Backends are
-registered by name (:func:`register_tree_attention_backend`); ``"dense"`` materialises the
-``[s, s]`` mask (:func:`~megatron_tree.masks.dense_tree_mask`) and calls PyTorch SDPA.
+registered by name (:func:`register_tree_attention_backend`): ``"dense"`` materialises the
+``[s, s]`` mask (:func:`~megatron_tree.masks.dense_tree_mask`) and calls PyTorch SDPA (the
+reference; any device); ``"flex"`` runs block-sparse FlexAttention from the interval vector
+(:mod:`megatron_tree.flex_attention`; CUDA, b = 1, no attention dropout); ``"auto"`` (the
+default) picks ``"flex"`` on CUDA and ``"dense"`` elsewhere.
 """
 
 from __future__ import annotations
@@ -96,6 +99,54 @@ def _dense_prepare(subtree_end: torch.Tensor) -> torch.Tensor:
 
 register_tree_attention_backend(
     TreeAttentionBackend(name="dense", prepare=_dense_prepare, attend=_dense_attend)
+)
+
+
+def _flex_prepare(subtree_end: torch.Tensor) -> torch.Tensor:
+    from megatron_tree.flex_attention import tree_block_mask
+
+    if subtree_end.shape[0] != 1:
+        raise ValueError(f"the flex tree attention backend takes one micro-batch (b = 1), got b = {subtree_end.shape[0]}")
+    tree_block_mask(subtree_end)  # built once here; flex_tree_attention finds it in its cache
+    return subtree_end
+
+
+def _flex_attend(query, key, value, subtree_end, *, scale, dropout_p):
+    from megatron_tree.flex_attention import flex_tree_attention
+
+    if dropout_p:
+        raise ValueError(
+            f"the flex tree attention backend has no attention dropout (got {dropout_p}); set "
+            f"attention_dropout=0 or use backend='dense'"
+        )
+    return flex_tree_attention(query, key, value, subtree_end, softmax_scale=scale)
+
+
+register_tree_attention_backend(
+    TreeAttentionBackend(name="flex", prepare=_flex_prepare, attend=_flex_attend)
+)
+
+
+def _auto_choice(subtree_end: torch.Tensor) -> TreeAttentionBackend:
+    # block-sparse FlexAttention on CUDA (measured fastest; benchmarks/attention_bench.py),
+    # the dense reference elsewhere (FlexAttention has no CPU backward)
+    return _BACKENDS["flex" if subtree_end.is_cuda and subtree_end.shape[0] == 1 else "dense"]
+
+
+def _auto_prepare(subtree_end: torch.Tensor):
+    impl = _auto_choice(subtree_end)
+    return impl, impl.prepare(subtree_end)
+
+
+def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
+    impl, inner = prepared
+    if dropout_p and impl.name == "flex":  # attention dropout: the dense path implements it
+        impl, inner = _BACKENDS["dense"], _dense_prepare(inner)
+    return impl.attend(query, key, value, inner, scale=scale, dropout_p=dropout_p)
+
+
+register_tree_attention_backend(
+    TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend)
 )
 
 
@@ -187,7 +238,7 @@ def tree_attention(
     *,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    backend: str = "dense",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of a DFS-laid-out tree micro-batch, Megatron layout.
 
@@ -248,7 +299,7 @@ class TreeCoreAttention(MegatronModule):
     """Megatron ``core_attention`` module for tree micro-batches.
 
     Built by ``SelfAttention`` through the layer spec (see :func:`megatron_tree.tree_layer_spec`)
-    with the standard keywords; ``backend`` (a registered name, default ``"dense"``) comes from
+    with the standard keywords; ``backend`` (a registered name, default ``"auto"``) comes from
     the spec's params. Called as ``(query [s, b, np, hn], key [s, b, ng, hn], value, attention_mask
     int [b, s], *, attn_mask_type, attention_bias=None, packed_seq_params=None)``, returns
     ``[s, b, np * hn]``. Scale: ``softmax_scale`` or ``1 / sqrt(kv_channels)``. Attention dropout
@@ -270,7 +321,7 @@ class TreeCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
-        backend: str = "dense",
+        backend: str = "auto",
         **kwargs: Any,
     ):
         super().__init__(config=config)

@@ -26,7 +26,7 @@ __all__ = ["patch_bridge_for_tree_training"]
 
 
 @contextlib.contextmanager
-def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "dense") -> Iterator[None]:
+def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto") -> Iterator[None]:
     """While open, mbridge builds tree-attention models; ``enable=False`` does nothing.
 
     Keep it open across ``AutoBridge.from_pretrained(path)`` *and* ``bridge.get_model(...)``

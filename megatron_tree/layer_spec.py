@@ -69,7 +69,7 @@ def _tree_layer(layer: ModuleSpec, index: int, backend: str) -> ModuleSpec:
 def tree_layer_spec(
     spec: ModuleSpec | TransformerBlockSubmodules,
     *,
-    backend: str = "dense",
+    backend: str = "auto",
     config: TransformerConfig | None = None,
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The same spec with every layer's core attention replaced by tree attention.
@@ -77,7 +77,7 @@ def tree_layer_spec(
     spec     a TransformerLayer ``ModuleSpec`` (``get_gpt_layer_local_spec`` /
              ``..._with_transformer_engine_spec``) or a ``TransformerBlockSubmodules``
              (``get_gpt_decoder_block_spec``, heterogeneous/MoE models).
-    backend  name of a registered tree attention backend (``"dense"``).
+    backend  name of a registered tree attention backend (``"auto"``, ``"dense"``, ``"flex"``).
     config   optional: also check the model config now (context parallel, sliding window,
              MLA, ...) instead of when the model is built.
 

@@ -7,7 +7,8 @@ A config file has five sections; every key is optional except where noted::
     micro_batch: {max_tokens_per_mb: 1024, ...}              # MicroBatchSpec fields
     data:        {workload: grpo | multi_turn, batch_size: ..., ... }
     train:       {steps: 5, lr: 1.0e-3, tree_training: true, recompute: none | full | selective,
-                  bf16: false, seed: 0, loss: sft | grpo, balance: kk}
+                  bf16: false, seed: 0, loss: sft | grpo, balance: kk,
+                  attention_backend: auto | dense | flex}
 
 Unknown keys and bad values raise ``ValueError`` naming the section, the key and what is valid.
 """
@@ -27,6 +28,7 @@ WORKLOADS = ("grpo", "multi_turn")
 RECOMPUTE = ("none", "full", "selective")
 LOSSES = ("sft", "grpo")
 BALANCE = ("kk", "ffd", "round_robin")
+BACKENDS = ("auto", "dense", "flex")
 
 
 @dataclass(kw_only=True)
@@ -76,6 +78,7 @@ class TrainConfig:
     seed: int = 0
     loss: str = "sft"
     balance: str = "kk"
+    attention_backend: str = "auto"
 
 
 @dataclass(kw_only=True)
@@ -136,6 +139,8 @@ class RunConfig:
         need(t.recompute in RECOMPUTE, f"train.recompute must be one of {RECOMPUTE}, got {t.recompute!r}")
         need(t.loss in LOSSES, f"train.loss must be one of {LOSSES}, got {t.loss!r}")
         need(t.balance in BALANCE, f"train.balance must be one of {BALANCE}, got {t.balance!r}")
+        need(t.attention_backend in BACKENDS,
+             f"train.attention_backend must be one of {BACKENDS}, got {t.attention_backend!r}")
 
 
 def _section(klass, values: Mapping[str, Any], where: str):

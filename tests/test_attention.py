@@ -248,3 +248,26 @@ def test_refuses_bad_call_arguments():
     core.positions_from_ids = False
     with pytest.raises(RuntimeError, match="enable_tree_rope"):
         core(q, k, v, ends[None])
+
+
+def test_auto_backend_picks_dense_on_cpu_and_matches_it():
+    torch.manual_seed(0)
+    end = torch.tensor([[5, 5, 3, 5, 5]], dtype=torch.int32)
+    q, k, v = torch.randn(5, 1, 4, 8), torch.randn(5, 1, 2, 8), torch.randn(5, 1, 2, 8)
+    auto = tree_attention(q, k, v, end, backend="auto")
+    dense = tree_attention(q, k, v, end, backend="dense")
+    assert torch.equal(auto, dense)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
+def test_flex_backend_matches_dense_on_cuda():
+    torch.manual_seed(0)
+    end = torch.tensor([[5, 5, 3, 5, 5]], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(5, 1, h, 16, device="cuda", requires_grad=True) for h in (4, 2, 2))
+    flex = tree_attention(q, k, v, end, backend="flex")
+    grads = torch.autograd.grad(flex.square().sum(), (q, k, v))
+    dense = tree_attention(q, k, v, end, backend="dense")
+    ref = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -33,7 +33,7 @@ def assert_converted(before, after):
     attn_after = after.submodules.self_attention
     assert attn_after.params["attn_mask_type"] == AttnMaskType.arbitrary
     assert attn_after.submodules.core_attention.module is TreeCoreAttention
-    assert attn_after.submodules.core_attention.params == {"backend": "dense"}
+    assert attn_after.submodules.core_attention.params == {"backend": "auto"}
     # Everything else is the upstream spec, untouched.
     assert attn_after.module is attn_before.module
     for field in dataclasses.fields(attn_before.submodules):
