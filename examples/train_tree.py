@@ -89,7 +89,8 @@ def init_distributed(cfg: RunConfig, cuda: bool) -> None:
         if "RANK" in os.environ:
             dist.init_process_group("nccl")
         else:
-            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
+            port = os.environ.get("MASTER_PORT", "29511")
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,

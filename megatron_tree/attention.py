@@ -16,7 +16,8 @@ registered by name (:func:`register_tree_attention_backend`): ``"dense"`` materi
 ``[s, s]`` mask (:func:`~megatron_tree.masks.dense_tree_mask`) and calls PyTorch SDPA (the
 reference; any device); ``"flex"`` runs block-sparse FlexAttention from the interval vector
 (:mod:`megatron_tree.flex_attention`; CUDA, b = 1, no attention dropout); ``"auto"`` (the
-default) picks ``"flex"`` on CUDA and ``"dense"`` elsewhere.
+default) picks ``"flex"`` where it runs (CUDA, b = 1, head dim >= 16, no attention dropout)
+and ``"dense"`` elsewhere.
 """
 
 from __future__ import annotations
@@ -127,22 +128,24 @@ register_tree_attention_backend(
 )
 
 
-def _auto_choice(subtree_end: torch.Tensor) -> TreeAttentionBackend:
-    # block-sparse FlexAttention on CUDA (measured fastest; benchmarks/attention_bench.py),
-    # the dense reference elsewhere (FlexAttention has no CPU backward)
-    return _BACKENDS["flex" if subtree_end.is_cuda and subtree_end.shape[0] == 1 else "dense"]
+def _flex_eligible(subtree_end: torch.Tensor) -> bool:
+    return subtree_end.is_cuda and subtree_end.shape[0] == 1
 
 
-def _auto_prepare(subtree_end: torch.Tensor):
-    impl = _auto_choice(subtree_end)
-    return impl, impl.prepare(subtree_end)
+def _auto_prepare(subtree_end: torch.Tensor) -> torch.Tensor:
+    if _flex_eligible(subtree_end):
+        _flex_prepare(subtree_end)
+    return subtree_end
 
 
-def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
-    impl, inner = prepared
-    if dropout_p and impl.name == "flex":  # attention dropout: the dense path implements it
-        impl, inner = _BACKENDS["dense"], _dense_prepare(inner)
-    return impl.attend(query, key, value, inner, scale=scale, dropout_p=dropout_p)
+def _auto_attend(query, key, value, subtree_end, *, scale, dropout_p):
+    # Block-sparse FlexAttention where it runs (CUDA, b = 1, head dim >= 16, no attention
+    # dropout; measured fastest in benchmarks/attention_bench.py), else the dense reference
+    # (FlexAttention has no CPU backward); the dense mask is then cached like any backend's.
+    if _flex_eligible(subtree_end) and query.shape[-1] >= 16 and not dropout_p:
+        return _flex_attend(query, key, value, subtree_end, scale=scale, dropout_p=dropout_p)
+    dense = _BACKENDS["dense"]
+    return dense.attend(query, key, value, PREPARED_MASKS.get(dense, subtree_end), scale=scale, dropout_p=dropout_p)
 
 
 register_tree_attention_backend(

@@ -100,9 +100,10 @@ def tree_forward_backward(
     per-micro-batch loss dicts (on the last pipeline stage; empty elsewhere).
 
     Validates what the schedule needs: ``calculate_per_token_loss``, no context parallel,
-    a micro-batch count that interleaved PP accepts. Unless ``variable_seq_lengths`` is set
-    (then each keeps its own length), every micro-batch on every rank is padded to one slot
-    length (one MAX all-reduce over the world).
+    a micro-batch count that interleaved PP accepts. With pipeline parallel, or MoE over
+    expert-parallel ranks, and ``variable_seq_lengths`` off, every micro-batch on every rank
+    is padded to one slot length (one MAX all-reduce over the world); otherwise each keeps
+    its own length.
     ``tp_group`` defaults to Megatron's tensor-parallel group.
     """
     chunks = model if isinstance(model, list) else [model]
@@ -131,13 +132,17 @@ def tree_forward_backward(
         raise ValueError("got no micro-batches; pack_trees returns at least one")
     device = next(chunks[0].parameters()).device
     length = max(mb.num_slots for mb in mbs)
-    if not config.variable_seq_lengths and torch.distributed.get_world_size() > 1:
-        # One length everywhere: pipeline stages exchange [length, 1, h] activations, and
-        # MoE dispatchers exchange tokens across data-parallel (expert-parallel) ranks.
+    # One length everywhere only where the schedule needs it: pipeline stages exchange
+    # [length, 1, h] activations, and MoE's all-gather dispatcher gathers equal token counts
+    # across expert-parallel ranks. Otherwise every micro-batch keeps its own length.
+    fixed = not config.variable_seq_lengths and (
+        pp > 1 or (config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1)
+    )
+    if fixed:
         t = torch.tensor([length], device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         length = int(t.item())
-    pad_to = None if config.variable_seq_lengths else length
+    pad_to = length if fixed else None
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_group = tp_group if torch.distributed.get_world_size(tp_group) > 1 else None

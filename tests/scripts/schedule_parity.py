@@ -80,7 +80,8 @@ def main():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl")
-            ps.initialize_model_parallel(args.tp, args.pp, args.vpp, expert_model_parallel_size=args.ep)
+            ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep)
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(7)
