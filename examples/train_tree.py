@@ -123,7 +123,7 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     from megatron.core.utils import get_model_config
 
     from megatron_tree.bridge import patch_bridge_for_tree_training
-    from megatron_tree.testing import cpu_transformer_overrides
+    from megatron_tree.testing import cpu_transformer_overrides, local_spec_overrides
 
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     # Tree attention also runs the flat baseline (each sequence its own chain), so both
@@ -134,8 +134,10 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
         extra = dict(calculate_per_token_loss=True)
         if not cuda:
             extra.update(cpu_transformer_overrides(moe=moe))
-        elif moe:
-            extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, variable_seq_lengths=True)
+        else:
+            extra.update(local_spec_overrides())
+            if moe:
+                extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, variable_seq_lengths=True)
         if cfg.train.recompute == "full":
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         elif cfg.train.recompute == "selective":

@@ -205,6 +205,20 @@ def destroy_cpu_distributed() -> None:
 # --------------------------------------------------------------------------- tiny models
 
 
+def local_spec_overrides() -> dict[str, Any]:
+    """``TransformerConfig`` overrides for megatron-core's local (non-Transformer-Engine) spec on GPUs.
+
+    Its torch norms refuse ``persist_layer_norm`` and sequence parallel, and gradient-
+    accumulation fusion needs apex or TE; mbridge turns these on by default (sequence
+    parallel whenever TP > 1). Empty when Transformer Engine is installed.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return {}
+    return {"persist_layer_norm": False, "sequence_parallel": False, "gradient_accumulation_fusion": False}
+
+
 def cpu_transformer_overrides(moe: bool) -> dict[str, Any]:
     """``TransformerConfig`` overrides that make an mbridge-built model run on CPU (``bridge.set_extra_args(**...)``).
 

@@ -25,7 +25,13 @@ from megatron_tree import MicroBatchSpec, pack_trees
 from patches import apply_compat_patches
 from megatron_tree.losses import sft_loss
 from megatron_tree.packing import build_micro_batch
-from megatron_tree.testing import cpu_mode, cpu_transformer_overrides, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.testing import (
+    cpu_mode,
+    cpu_transformer_overrides,
+    init_cpu_distributed,
+    local_spec_overrides,
+    save_tiny_hf_checkpoint,
+)
 
 
 def branching_batch(vocab: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -93,8 +99,10 @@ def main():
             extra = dict(calculate_per_token_loss=True, attention_dropout=0.0, hidden_dropout=0.0)
             if not cuda:
                 extra.update(cpu_transformer_overrides(moe=args.arch.endswith("moe")))
-            elif args.arch.endswith("moe"):
-                extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+            else:
+                extra.update(local_spec_overrides())
+                if args.arch.endswith("moe"):
+                    extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
             if args.recompute == "full":
                 extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
             elif args.recompute == "selective":
