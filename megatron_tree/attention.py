@@ -132,20 +132,24 @@ def _flex_eligible(subtree_end: torch.Tensor) -> bool:
     return subtree_end.is_cuda and subtree_end.shape[0] == 1
 
 
-def _auto_prepare(subtree_end: torch.Tensor) -> torch.Tensor:
+def _auto_prepare(subtree_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(subtree_end, dense mask or None)``: the flex block mask (cached by the flex module)
+    where FlexAttention runs, the dense mask elsewhere."""
     if _flex_eligible(subtree_end):
-        _flex_prepare(subtree_end)
-    return subtree_end
+        return _flex_prepare(subtree_end), None
+    return subtree_end, _dense_prepare(subtree_end)
 
 
-def _auto_attend(query, key, value, subtree_end, *, scale, dropout_p):
+def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
     # Block-sparse FlexAttention where it runs (CUDA, b = 1, head dim >= 16, no attention
     # dropout; measured fastest in benchmarks/attention_bench.py), else the dense reference
-    # (FlexAttention has no CPU backward); the dense mask is then cached like any backend's.
-    if _flex_eligible(subtree_end) and query.shape[-1] >= 16 and not dropout_p:
+    # (FlexAttention has no CPU backward).
+    subtree_end, dense_mask = prepared
+    if dense_mask is None and query.shape[-1] >= 16 and not dropout_p:
         return _flex_attend(query, key, value, subtree_end, scale=scale, dropout_p=dropout_p)
-    dense = _BACKENDS["dense"]
-    return dense.attend(query, key, value, PREPARED_MASKS.get(dense, subtree_end), scale=scale, dropout_p=dropout_p)
+    if dense_mask is None:  # CUDA with a head dim or dropout flex lacks: dense, cached per mask
+        dense_mask = PREPARED_MASKS.get(_BACKENDS["dense"], subtree_end)
+    return _dense_attend(query, key, value, dense_mask, scale=scale, dropout_p=dropout_p)
 
 
 register_tree_attention_backend(
