@@ -2,14 +2,28 @@
 
 Pack sequences that share prefixes into prefix trees, compute every shared token once,
 and get exact per-sequence log-probabilities and gradients.
+
+The data model, packing and log-prob gather import no Megatron. The Megatron adapters
+(``patch_bridge_for_tree_training``, ``tree_layer_spec``, ``enable_tree_rope``,
+``tree_forward_backward``) import megatron-core when first used.
 """
 
+from importlib import import_module
+
 from megatron_tree.balance import balance_across_ranks
+from megatron_tree.logprobs import gather_tree_logprobs
 from megatron_tree.metrics import BalanceStats, PackingStats
 from megatron_tree.microbatch import TreeMicroBatch
 from megatron_tree.microbatch_spec import MicroBatchSpec
 from megatron_tree.packing import pack_trees
 from megatron_tree.tree import TokenForest, build_forest
+
+_MEGATRON_ADAPTERS = {
+    "patch_bridge_for_tree_training": "megatron_tree.bridge",
+    "tree_layer_spec": "megatron_tree.layer_spec",
+    "enable_tree_rope": "megatron_tree.rope",
+    "tree_forward_backward": "megatron_tree.schedule",
+}
 
 __all__ = [
     "BalanceStats",
@@ -19,5 +33,13 @@ __all__ = [
     "TreeMicroBatch",
     "balance_across_ranks",
     "build_forest",
+    "gather_tree_logprobs",
     "pack_trees",
+    *_MEGATRON_ADAPTERS,
 ]
+
+
+def __getattr__(name: str):
+    if name in _MEGATRON_ADAPTERS:
+        return getattr(import_module(_MEGATRON_ADAPTERS[name]), name)
+    raise AttributeError(f"module 'megatron_tree' has no attribute {name!r}")

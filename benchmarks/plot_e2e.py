@@ -1,0 +1,38 @@
+"""Plot the end-to-end tree vs flat results (benchmarks/e2e_bench.py JSONs) into one PNG.
+
+    python benchmarks/plot_e2e.py benchmarks/results/e2e_qwen3-0.6b.json benchmarks/results/e2e_qwen3-moe-2b.json \
+        --out benchmarks/results/e2e_h200.png
+"""
+
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows = [r for path in args.inputs for r in json.load(open(path))["rows"]]
+    labels = [f"{r['model']}\n{r['workload']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    ax.bar([i - 0.2 for i in x], [r["flop_ideal_speedup"] for r in rows], width=0.4, label="FLOP-ideal speedup")
+    ax.bar([i + 0.2 for i in x], [r["speedup"] for r in rows], width=0.4, label="measured step speedup")
+    for i, r in enumerate(rows):
+        ax.text(i + 0.2, r["speedup"], f"{r['achieved_fraction_of_ideal']:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("tree vs flat (x)")
+    ax.set_title("Tree vs flat training step, one H200, bf16 (label: achieved fraction of ideal)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
