@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
@@ -34,6 +35,20 @@ def test_launcher_dp2_balances_ranks(tmp_path):
         a, b = rec["dp_micro_batches"]
         assert a == b, rec
         assert rec["dp_tree_token_imbalance"] < 1.2, rec
+
+
+@pytest.mark.parametrize(
+    "config, args",
+    [("tiny_qwen3.yaml", ["--tp", "2", "--pp", "2"]), ("tiny_qwen3_moe.yaml", ["--ep", "2", "--pp", "2"])],
+    ids=["tp2xpp2", "ep2xpp2-moe"],
+)
+def test_launcher_four_processes(tmp_path, config, args):
+    """The four-GPU job's code path (TP x PP, EP x PP MoE), scaled down to 4 gloo processes."""
+    out = tmp_path / "run.json"
+    run_torchrun(LAUNCHER, 4, ["--config", f"configs/{config}", "--steps", "2", "--no-progress",
+                               "--out-json", str(out), *args], timeout=600)
+    recs = json.loads(out.read_text())["records"]
+    assert len(recs) == 2 and all(np.isfinite(r["loss"]) for r in recs)
 
 
 def test_yaml_configs_load():

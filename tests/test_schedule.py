@@ -19,8 +19,10 @@ PARITY = re.compile(r"PARITY rank=(\d+) tree_mbs=(\d+) .* loss_rel=(\S+) grad_re
         (2, []),  # DP = 2 with unequal numbers of trees per rank
         (2, ["--ep", "2", "--arch", "qwen3_moe"]),
         (1, ["--recompute", "full"]),
+        (4, ["--tp", "2", "--pp", "2"]),
+        (4, ["--ep", "2", "--pp", "2", "--arch", "qwen3_moe"]),
     ],
-    ids=["tp2", "pp2", "pp2-vpp2", "dp2", "ep2-moe", "recompute-full"],
+    ids=["tp2", "pp2", "pp2-vpp2", "dp2", "ep2-moe", "recompute-full", "tp2xpp2", "ep2xpp2-moe"],
 )
 def test_tree_step_equals_flat_step(tmp_path, nproc, args):
     out = run_torchrun("scripts/schedule_parity.py", nproc, ["--ckpt", str(tmp_path), *args], timeout=600)
