@@ -13,7 +13,8 @@ Plan on the global prefix forest, then build each micro-batch's own forest:
    are then placed by "ffd" (decreasing, each into the least-loaded bin with room; plain
    first-fit if that gets stuck) or "kk" (Karmarkar–Karp differencing, used only when no
    bin overflows, else "ffd"). An item's cost counts its shared path once per item, so a
-   bin's real size never exceeds its planned load.
+   bin's real size never exceeds its planned load. Documented margin, property-tested:
+   "kk"'s spread (max - min load) never exceeds "ffd"'s by more than the largest item.
 4. Each bin becomes a :class:`TreeMicroBatch` built from its own forest (bins left empty
    become one-slot padding micro-batches that hold no sequence).
 """
