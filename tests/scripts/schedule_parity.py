@@ -94,27 +94,31 @@ def main():
         else:
             init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, seed=7)
         path = save_tiny_hf_checkpoint(args.arch, args.ckpt, num_hidden_layers=args.layers)
-        with patch_bridge_for_tree_training():
-            bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32)
-            extra = dict(calculate_per_token_loss=True, attention_dropout=0.0, hidden_dropout=0.0)
-            if not cuda:
-                extra.update(cpu_transformer_overrides(moe=args.arch.endswith("moe")))
-            else:
-                extra.update(local_spec_overrides())
-                if args.arch.endswith("moe"):
-                    extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
-            if args.recompute == "full":
-                extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-            elif args.recompute == "selective":
-                extra.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-            bridge.set_extra_args(**extra)
-            model = bridge.get_model(
-                bf16=args.bf16, fp16=False, wrap_with_ddp=True,
-                ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-            )
-            bridge.load_weights(model, path)
+        def build(bf16: bool):
+            with patch_bridge_for_tree_training():
+                bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+                extra = dict(calculate_per_token_loss=True, attention_dropout=0.0, hidden_dropout=0.0)
+                if not cuda:
+                    extra.update(cpu_transformer_overrides(moe=args.arch.endswith("moe")))
+                else:
+                    extra.update(local_spec_overrides())
+                    if args.arch.endswith("moe"):
+                        extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+                if args.recompute == "full":
+                    extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                elif args.recompute == "selective":
+                    extra.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+                bridge.set_extra_args(**extra)
+                chunks = bridge.get_model(
+                    bf16=bf16, fp16=False, wrap_with_ddp=True,
+                    ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+                )
+                bridge.load_weights(chunks, path)
+            get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
+            return bridge, chunks
+
+        bridge, model = build(args.bf16)
         config = get_model_config(model[0])
-        config.finalize_model_grads_func = finalize_model_grads
 
         dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
         seqs = branching_batch(bridge.hf_config.vocab_size, np.random.default_rng(0))
@@ -136,7 +140,7 @@ def main():
         k = -(-int(count) // divisor) * divisor
         flat_mbs += [build_micro_batch(local, []) for _ in range(k - len(flat_mbs))]
 
-        def step(mbs):
+        def step(mbs, model=model):
             for chunk in model:
                 chunk.zero_grad_buffer()
             losses = tree_forward_backward(model, mbs, loss_fn)
@@ -166,6 +170,15 @@ def main():
                                 dp_group=dp_group if dp > 1 else None, share_prefixes=False)
             pk_loss, pk_grad = step(packed)
             scale = float(flat_grad.abs().max())
+            # FlashAttention's rule: each bf16 path against the fp32 reference (flat, fp32 model).
+            _, ref_grad = step(flat_mbs, model=build(False)[1])
+            ref_scale = float(ref_grad.abs().max())
+            print(
+                f"BF16VSFP32 rank={rank} tree_bf16 grad_rel={float((tree_grad - ref_grad).abs().max()) / ref_scale:.3e} "
+                f"flat_bf16 grad_rel={float((flat_grad - ref_grad).abs().max()) / ref_scale:.3e} "
+                f"flat_packed_bf16 grad_rel={float((pk_grad - ref_grad).abs().max()) / ref_scale:.3e}",
+                flush=True,
+            )
             print(
                 f"BF16NOISE rank={rank} tree_vs_flat loss_rel={loss_rel:.3e} grad_rel={grad_rel:.3e} | "
                 f"flat_reordered loss_rel={abs(rev_loss - flat_loss) / abs(flat_loss):.3e} "
