@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from megatron_tree import MicroBatchSpec, build_forest, pack_trees  # noqa: E402
+from megatron_tree import build_forest, pack_trees  # noqa: E402
 from megatron_tree.run_config import RunConfig  # noqa: E402
 from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch  # noqa: E402
 from megatron_tree.tree import as_sequences  # noqa: E402

@@ -15,7 +15,6 @@ micro-batch balance, DP rank balance. ``--out-json`` writes the per-step records
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -123,7 +122,7 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     from megatron.core.utils import get_model_config
 
     from megatron_tree.bridge import patch_bridge_for_tree_training
-    from megatron_tree.testing import cpu_transformer_overrides, local_spec_overrides
+    from megatron_tree.testing import tree_training_overrides
 
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     # Tree attention also runs the flat baseline (each sequence its own chain), so both
@@ -131,18 +130,7 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     with patch_bridge_for_tree_training(backend=cfg.train.attention_backend):
         bridge = AutoBridge.from_pretrained(path, dtype=dtype)
         moe = bool(getattr(bridge.hf_config, "num_experts", 0) or getattr(bridge.hf_config, "num_local_experts", 0))
-        extra = dict(calculate_per_token_loss=True)
-        if not cuda:
-            extra.update(cpu_transformer_overrides(moe=moe))
-        else:
-            extra.update(local_spec_overrides())
-            if moe:
-                extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, variable_seq_lengths=True)
-        if cfg.train.recompute == "full":
-            extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        elif cfg.train.recompute == "selective":
-            extra.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-        bridge.set_extra_args(**extra)
+        bridge.set_extra_args(**tree_training_overrides(moe=moe, recompute=cfg.train.recompute))
         model = bridge.get_model(
             bf16=cfg.train.bf16,
             fp16=False,

@@ -219,6 +219,37 @@ def local_spec_overrides() -> dict[str, Any]:
     return {"persist_layer_norm": False, "sequence_parallel": False, "gradient_accumulation_fusion": False}
 
 
+def recompute_overrides(mode: str) -> dict[str, Any]:
+    """``TransformerConfig`` overrides for activation recompute ``mode``: "none", "full" (every
+    layer, uniform) or "selective" (core attention)."""
+    modes = {
+        "none": {},
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    }
+    if mode not in modes:
+        raise ValueError(f"recompute mode must be one of {sorted(modes)}, got {mode!r}")
+    return dict(modes[mode])
+
+
+def tree_training_overrides(*, moe: bool, recompute: str = "none") -> dict[str, Any]:
+    """``TransformerConfig`` overrides of a tree-training run built by mbridge on this machine.
+
+    ``calculate_per_token_loss=True`` (tree and flat steps then normalise alike), the CPU
+    overrides without CUDA, else the local-spec ones, and on GPUs MoE with the all-to-all
+    dispatcher (variable micro-batch lengths), plus :func:`recompute_overrides`.
+    """
+    extra: dict[str, Any] = dict(calculate_per_token_loss=True)
+    if not torch.cuda.is_available():
+        extra.update(cpu_transformer_overrides(moe=moe))
+    else:
+        extra.update(local_spec_overrides())
+        if moe:
+            extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, variable_seq_lengths=True)
+    extra.update(recompute_overrides(recompute))
+    return extra
+
+
 def cpu_transformer_overrides(moe: bool) -> dict[str, Any]:
     """``TransformerConfig`` overrides that make an mbridge-built model run on CPU (``bridge.set_extra_args(**...)``).
 

@@ -36,6 +36,7 @@ from megatron_tree.testing import (
     cpu_mode,
     destroy_cpu_distributed,
     init_cpu_distributed,
+    recompute_overrides,
     save_tiny_hf_checkpoint,
 )
 from patches import apply_compat_patches
@@ -117,25 +118,15 @@ def test_tree_model_needs_position_ids(checkpoints, forest):
         model(mb.input_ids, None, mb.attention_mask)
 
 
-RECOMPUTE = {
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-}
-
-
-# MoE under full recompute is not run on CPU: the recompute happens inside backward, where the
-# CPU shim's TorchFunctionMode is not active (autograd does not carry Python torch-function
-# modes into backward), and the MoE router moves its weight with `.to(device=0)`.
-GRAD_CASES = [("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective")]
-if torch.cuda.is_available():
-    GRAD_CASES.append(("qwen3_moe", "full"))
+GRAD_CASES = [("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective"),
+              ("qwen3_moe", "full")]
 
 
 @pytest.mark.parametrize("arch,recompute", GRAD_CASES)
 def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest, monkeypatch):
     seqs, mbs = forest
     path = checkpoints[arch]
-    tree = build_model(path, tree=True, **RECOMPUTE[recompute])[0].train()
+    tree = build_model(path, tree=True, **recompute_overrides(recompute))[0].train()
     flat = build_model(path, tree=False)[0].train()
 
     builds = []  # backend-agnostic: every prepared-mask cache miss validates the mask once

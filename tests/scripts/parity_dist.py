@@ -40,15 +40,12 @@ from megatron_tree.testing import (
     cpu_mode,
     destroy_cpu_distributed,
     init_cpu_distributed,
+    recompute_overrides,
     save_tiny_hf_checkpoint,
 )
 from patches import apply_compat_patches
 
 TOL = 1e-5
-RECOMPUTE = {
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-}
 
 
 def run_case(case: str, work_dir: str) -> tuple[float, float]:
@@ -62,7 +59,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
         tree = build_model(path, tree=True)[0].eval()
         with torch.no_grad():
             return max_diff(tree_logprobs(tree, mbs), hf_logprobs(path, seqs)), 0.0
-    tree = build_model(path, tree=True, **RECOMPUTE[recompute])[0].train()
+    tree = build_model(path, tree=True, **recompute_overrides(recompute))[0].train()
     flat = build_model(path, tree=False)[0].train()
     tree_lp = {}
     for mb in mbs:

@@ -13,7 +13,6 @@ import argparse
 import sys
 
 import numpy as np
-import torch
 
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.testing import build_cpu_bridge_model, cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint

@@ -25,13 +25,7 @@ from megatron_tree import MicroBatchSpec, pack_trees
 from patches import apply_compat_patches
 from megatron_tree.losses import sft_loss
 from megatron_tree.packing import build_micro_batch
-from megatron_tree.testing import (
-    cpu_mode,
-    cpu_transformer_overrides,
-    init_cpu_distributed,
-    local_spec_overrides,
-    save_tiny_hf_checkpoint,
-)
+from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint, tree_training_overrides
 
 
 def branching_batch(vocab: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -97,18 +91,11 @@ def main():
         def build(bf16: bool):
             with patch_bridge_for_tree_training():
                 bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
-                extra = dict(calculate_per_token_loss=True, attention_dropout=0.0, hidden_dropout=0.0)
-                if not cuda:
-                    extra.update(cpu_transformer_overrides(moe=args.arch.endswith("moe")))
-                else:
-                    extra.update(local_spec_overrides())
-                    if args.arch.endswith("moe"):
-                        extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
-                if args.recompute == "full":
-                    extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                elif args.recompute == "selective":
-                    extra.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-                bridge.set_extra_args(**extra)
+                bridge.set_extra_args(
+                    **tree_training_overrides(moe=args.arch.endswith("moe"), recompute=args.recompute),
+                    attention_dropout=0.0,
+                    hidden_dropout=0.0,
+                )
                 chunks = bridge.get_model(
                     bf16=bf16, fp16=False, wrap_with_ddp=True,
                     ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
