@@ -27,7 +27,10 @@ def run_torchrun(
     """Run ``script`` with ``nproc`` processes; return its stdout + stderr (fails the test if it fails).
 
     ``script`` is a path (relative paths are taken from ``tests/``); ``args`` are passed
-    to every process. Output of all ranks is interleaved in the returned string.
+    to every process. Output of all ranks is interleaved in the returned string: torchrun runs its workers
+    with ``python -u``, so ``print`` writes the text and its newline separately and one
+    rank's line can end up glued to another's. Parse with patterns that do not rely on
+    line boundaries (non-greedy, anchored on the rank's own fields).
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")

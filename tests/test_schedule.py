@@ -7,7 +7,7 @@ import pytest
 
 from dist_utils import run_torchrun
 
-PARITY = re.compile(r"PARITY rank=(\d+) tree_mbs=(\d+) .* loss_rel=(\S+) grad_rel=(\S+)")
+PARITY = re.compile(r"PARITY rank=(\d+) tree_mbs=(\d+) .*? loss_rel=(\S+) grad_rel=(\S+)")
 
 
 @pytest.mark.parametrize(
