@@ -132,11 +132,20 @@ def _backward_kernel(
     if grad_entropy is not None:
         coef_entropy = per_row(grad_entropy)  # GH [R]
         chunk_rows = max(1, chunk_rows // 2)  # two fp32 buffers below
-    local_col = labels - vocab_start
-    owned = (local_col >= 0) & (local_col < vocab_local)
-    target_grad = None if grad_logprobs is None else grad_logprobs.float()
+    starts = range(0, rows, chunk_rows)
+    if grad_logprobs is not None:
+        # + g_k at (slot_k, label_k): group the targets by row once (other shards' targets sort
+        # past the last row), so each chunk scatters only its own targets. Scattering all N
+        # targets in every chunk costs O(N) per chunk, and CUDA's (deterministic, sort-based)
+        # accumulating index_put_ is slow on the many duplicates that masking creates.
+        local_col = labels - vocab_start
+        owned = (local_col >= 0) & (local_col < vocab_local)
+        target_row, order = torch.sort(torch.where(owned, slots, rows), stable=True)
+        target_col, target_grad = local_col[order], grad_logprobs.float()[order]
+        edges = torch.arange(0, rows + chunk_rows, chunk_rows, device=slots.device).clamp_(max=rows)
+        bounds = torch.searchsorted(target_row, edges).tolist()  # one host sync per call
 
-    for start in range(0, rows, chunk_rows):
+    for chunk, start in enumerate(starts):
         end = min(start + chunk_rows, rows)
         buf = logits[start:end].to(torch.float32, copy=True)
         buf.div_(temperature).sub_(lse[start:end, None])  # log p
@@ -149,11 +158,10 @@ def _backward_kernel(
             shift = coef[start:end] + coef_entropy[start:end] * row_entropy[start:end]
             buf.addcmul_(prob, shift[:, None]).neg_()
             del prob
-        if target_grad is not None:  # + g_k at (slot_k, label_k) for targets in this chunk and shard
-            local_row = slots - start
-            hit = owned & (local_row >= 0) & (local_row < end - start)
-            index = (torch.where(hit, local_row, 0), torch.where(hit, local_col, 0))
-            buf.index_put_(index, torch.where(hit, target_grad, 0.0), accumulate=True)
+        if grad_logprobs is not None:
+            lo, hi = bounds[chunk], bounds[chunk + 1]
+            index = (target_row[lo:hi] - start, target_col[lo:hi])
+            buf.index_put_(index, target_grad[lo:hi], accumulate=True)
         grad[start:end] = buf.div_(temperature)
         del buf
     return grad
