@@ -8,7 +8,9 @@ kernel: a varlen flash-class baseline). Tree = prefix trees. Both run Megatron's
 ``forward_backward_func`` + optimizer step on the same bf16 model. Reported per workload:
 median step time, tokens/s of original tokens, peak memory, token ratio, the FLOP-ideal
 speedup (FLOPs flat / FLOPs tree, linear layers by tokens and attention by computed
-(query, key) pairs, on the single global trie) and the achieved fraction of it.
+(query, key) pairs, on the single global trie) and the achieved fraction of it; with
+``--profile`` (default) also one profiled step per mode (``step_profile.py``: kernel time
+by category, the log-prob and optimizer regions, device idle time).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from megatron_tree import build_forest, pack_trees  # noqa: E402
 from megatron_tree.run_config import RunConfig  # noqa: E402
 from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch  # noqa: E402
 from megatron_tree.tree import as_sequences  # noqa: E402
+from step_profile import OPTIMIZER_REGION, profile_step  # noqa: E402
 
 MODELS = {
     # HF config overrides of random-init Qwen3 shapes (Megatron initialises the weights).
@@ -71,19 +74,24 @@ def flops_per_token_and_pair(cfg) -> tuple[float, float]:
     return float(per_token), float(per_pair)
 
 
-def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], int]:
+def train_step(model, optimizer, mbs, loss_fn) -> None:
     from megatron_tree.schedule import tree_forward_backward
 
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    tree_forward_backward(model, mbs, loss_fn)
+    with torch.profiler.record_function(OPTIMIZER_REGION):
+        optimizer.step()
+
+
+def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], int]:
     times = []
     torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        tree_forward_backward(model, mbs, loss_fn)
-        optimizer.step()
+        train_step(model, optimizer, mbs, loss_fn)
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -98,6 +106,8 @@ def main():
     ap.add_argument("--recompute", default="none", choices=["none", "full", "selective"])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="add one profiled step per mode: kernel time by category, logprobs, optimizer, idle")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -146,6 +156,8 @@ def main():
                                  peak_mem_gib=peak / 2**30, micro_batches=len(mbs),
                                  computed_tokens=sum(mb.num_tokens for mb in mbs),
                                  tflops_per_s=(flops_flat if mode == "flat" else flops_tree) / step_s / 1e12)
+                if args.profile:
+                    row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn))
             row["speedup"] = row["flat"]["step_s"] / row["tree"]["step_s"]
             row["achieved_fraction_of_ideal"] = row["speedup"] / row["flop_ideal_speedup"]
             rows.append(row)
@@ -153,6 +165,8 @@ def main():
                   f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
                   f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['peak_mem_gib']:.1f}GiB "
                   f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['peak_mem_gib']:.1f}GiB", flush=True)
+            for mode in ("flat", "tree") if args.profile else ():
+                print(f"  {mode} profile: {json.dumps(row[mode]['profile'])}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 

@@ -1,0 +1,109 @@
+"""Where one training step's time goes: device time per kernel category and per named region.
+
+    from step_profile import profile_step
+    breakdown = profile_step(run_one_step)          # CUDA when available, else CPU ops
+
+``profile_step(fn)`` runs ``fn()`` once under ``torch.profiler`` and returns a JSON-ready dict
+(all times in ms):
+
+- ``wall_ms``: the step's wall time (synchronised);
+- ``busy_ms``: the union of the intervals in which some kernel ran (CPU: some top-level op),
+  so ``wall_ms - busy_ms`` is time the device sat idle waiting for the host;
+- ``kernels_ms``: summed kernel time per category of :data:`KERNEL_CATEGORIES` (first match
+  on the lower-cased kernel name wins; the rest is ``other``);
+- ``regions_ms``: device time (CPU: CPU time) under the ops named in :data:`REGIONS`, each
+  counted once where matches nest (autograd's ``evaluate_function`` wrapper and the node).
+
+On CPU there are no kernels: ``kernels_ms`` is empty and ``busy_ms`` covers top-level ops;
+that mode exists to test the accounting without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+OPTIMIZER_REGION = "bench.optimizer"
+KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flex", "triton_tem")),  # FlexAttention's forward / backward templates
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),
+    ("communication", ("nccl",)),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("compiled_other", ("triton_",)),  # other Inductor kernels (e.g. FlexAttention's backward prologue)
+)
+REGIONS: dict[str, tuple[str, ...]] = {
+    "logprobs": ("_TreeLogprobs",),  # the forward op and _TreeLogprobsBackward (autograd's thread)
+    "optimizer": (OPTIMIZER_REGION,),  # the caller wraps its optimizer step in record_function(OPTIMIZER_REGION)
+}
+
+
+def _category(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for category, needles in KERNEL_CATEGORIES:
+        if any(n in name for n in needles):
+            return category
+    return "other"
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Total length in ms of the union of ``(start_us, end_us)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
+
+
+def _matches(name: str, needles: tuple[str, ...]) -> bool:
+    return any(n in name for n in needles)
+
+
+def summarize(events, wall_s: float, cuda: bool) -> dict:
+    """The breakdown dict (module docstring) of a profiler's ``events()``."""
+    kernels: dict[str, float] = {}
+    intervals = []
+    for e in events:
+        if cuda and e.device_type == DeviceType.CUDA:
+            duration = e.time_range.elapsed_us()
+            kernels[_category(e.name)] = kernels.get(_category(e.name), 0.0) + duration / 1e3
+            intervals.append((e.time_range.start, e.time_range.end))
+        elif not cuda and e.device_type == DeviceType.CPU and e.cpu_parent is None:
+            intervals.append((e.time_range.start, e.time_range.end))
+    regions = {}
+    for region, needles in REGIONS.items():
+        total = 0.0
+        for e in events:
+            if e.device_type != DeviceType.CPU or not _matches(e.name, needles):
+                continue
+            parent = e.cpu_parent
+            while parent is not None and not _matches(parent.name, needles):
+                parent = parent.cpu_parent
+            if parent is None:  # outermost match only
+                total += (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+        regions[region] = total
+    return {
+        "wall_ms": wall_s * 1e3,
+        "busy_ms": _union_ms(intervals),
+        "kernels_ms": dict(sorted(kernels.items())),
+        "regions_ms": regions,
+    }
+
+
+def profile_step(fn: Callable[[], object]) -> dict:
+    """Run ``fn()`` once under the profiler (CUDA kernels when available) and summarise it."""
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return summarize(prof.events(), wall, cuda)
