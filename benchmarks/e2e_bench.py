@@ -8,7 +8,9 @@ kernel: a varlen flash-class baseline). Tree = prefix trees. Both run Megatron's
 ``forward_backward_func`` + optimizer step on the same bf16 model. Reported per workload:
 median step time, tokens/s of original tokens, peak memory, token ratio, the FLOP-ideal
 speedup (FLOPs flat / FLOPs tree, linear layers by tokens and attention by computed
-(query, key) pairs, on the single global trie) and the achieved fraction of it; with
+(query, key) pairs, on the single global trie), the same ratio for the trees as packed
+(shared prefixes of a tree split over micro-batches count once per part), and the achieved
+fraction of the former; with
 ``--profile`` (default) also one profiled step per mode (``step_profile.py``: kernel time
 by category, the log-prob and optimizer regions, device idle time).
 """
@@ -72,6 +74,17 @@ def flops_per_token_and_pair(cfg) -> tuple[float, float]:
     per_token = 3 * 2 * (layers * (attn_proj + mlp) + h * v)
     per_pair = 3 * 2 * 2 * nq * d * layers  # QK^T and PV
     return float(per_token), float(per_pair)
+
+
+def packed_work(mbs) -> tuple[int, float]:
+    """(tokens, (query, key) pairs) the micro-batches really compute: key j is seen by the
+    ``subtree_end[j] - j`` queries ``j .. subtree_end[j] - 1`` (padding slots excluded)."""
+    tokens, pairs = 0, 0.0
+    for mb in mbs:
+        end = mb.attention_mask[0, : mb.num_tokens].double()
+        tokens += mb.num_tokens
+        pairs += float((end - torch.arange(mb.num_tokens, dtype=torch.float64)).sum())
+    return tokens, pairs
 
 
 def train_step(model, optimizer, mbs, loss_fn) -> None:
@@ -152,12 +165,18 @@ def main():
                 mbs = pack_trees(seqs, spec, share_prefixes=mode == "tree", pad_to_multiple_of=128)
                 times, peak = timed_steps(model, optimizer, mbs, loss_fn, args.warmup, args.steps)
                 step_s = statistics.median(times)
+                computed_tokens, computed_pairs = packed_work(mbs)
                 row[mode] = dict(step_s=step_s, step_times=times, tokens_per_s=original / step_s,
                                  peak_mem_gib=peak / 2**30, micro_batches=len(mbs),
-                                 computed_tokens=sum(mb.num_tokens for mb in mbs),
+                                 max_mb_slots=max(mb.num_slots for mb in mbs),
+                                 computed_tokens=computed_tokens, computed_pairs=computed_pairs,
                                  tflops_per_s=(flops_flat if mode == "flat" else flops_tree) / step_s / 1e12)
                 if args.profile:
                     row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn))
+            # What packing into micro-batches leaves of the ideal (a tree split over micro-batches
+            # computes its shared prefix once per part): flat FLOPs / FLOPs of the packed trees.
+            row["packed_flop_ideal_speedup"] = flops_flat / (
+                per_token * row["tree"]["computed_tokens"] + per_pair * row["tree"]["computed_pairs"])
             row["speedup"] = row["flat"]["step_s"] / row["tree"]["step_s"]
             row["achieved_fraction_of_ideal"] = row["speedup"] / row["flop_ideal_speedup"]
             rows.append(row)
