@@ -116,31 +116,17 @@ def model_path(cfg: RunConfig) -> tuple[str, bool]:
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
-    from mbridge import AutoBridge
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.utils import get_model_config
 
-    from megatron_tree.bridge import patch_bridge_for_tree_training
-    from megatron_tree.testing import tree_training_overrides
+    from megatron_tree.bridge import build_tree_model
 
-    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     # Tree attention also runs the flat baseline (each sequence its own chain), so both
     # modes use the same kernels; only the packing differs.
-    with patch_bridge_for_tree_training(backend=cfg.train.attention_backend):
-        bridge = AutoBridge.from_pretrained(path, dtype=dtype)
-        moe = bool(getattr(bridge.hf_config, "num_experts", 0) or getattr(bridge.hf_config, "num_local_experts", 0))
-        bridge.set_extra_args(**tree_training_overrides(moe=moe, recompute=cfg.train.recompute))
-        model = bridge.get_model(
-            bf16=cfg.train.bf16,
-            fp16=False,
-            wrap_with_ddp=True,
-            ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-        )
-        if load:
-            bridge.load_weights(model, path)
-    config = get_model_config(model[0])
-    config.finalize_model_grads_func = finalize_model_grads
+    bridge, model = build_tree_model(
+        path, backend=cfg.train.attention_backend, bf16=cfg.train.bf16, recompute=cfg.train.recompute,
+        load_weights=load, wrap_with_ddp=True,
+        ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+    )
     # megatron-core's gradient clipping asserts CUDA tensors: clip on GPUs only.
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=cfg.train.lr, bf16=cfg.train.bf16, clip_grad=1.0 if cuda else 0.0,

@@ -4,7 +4,7 @@ Pack sequences that share prefixes into prefix trees, compute every shared token
 and get exact per-sequence log-probabilities and gradients.
 
 The data model, packing and log-prob gather import no Megatron. The Megatron adapters
-(``patch_bridge_for_tree_training``, ``tree_layer_spec``, ``enable_tree_rope``,
+(``build_tree_model``, ``patch_bridge_for_tree_training``, ``tree_layer_spec``, ``enable_tree_rope``,
 ``tree_forward_backward``) import megatron-core when first used.
 """
 
@@ -19,6 +19,7 @@ from megatron_tree.packing import pack_trees
 from megatron_tree.tree import TokenForest, build_forest
 
 _MEGATRON_ADAPTERS = {
+    "build_tree_model": "megatron_tree.bridge",
     "patch_bridge_for_tree_training": "megatron_tree.bridge",
     "tree_layer_spec": "megatron_tree.layer_spec",
     "enable_tree_rope": "megatron_tree.rope",

@@ -6,20 +6,16 @@ duration of a ``with`` block; on a machine with CUDA it does nothing, so the sam
 demo code runs unchanged on GPUs. A typical CPU run::
 
     from patches import apply_compat_patches
-    from megatron_tree.testing import (cpu_mode, init_cpu_distributed,
-                                       save_tiny_hf_checkpoint, cpu_transformer_overrides)
+    from megatron_tree.bridge import build_tree_model
+    from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
 
     with apply_compat_patches(), cpu_mode():
         init_cpu_distributed(tp=1)                    # gloo; works alone or under torchrun
         path = save_tiny_hf_checkpoint("qwen3", tmp_dir)
-        bridge = AutoBridge.from_pretrained(path, dtype=torch.float32)
-        bridge.set_extra_args(**cpu_transformer_overrides(moe=False))
-        model = bridge.get_model(bf16=False, fp16=False, wrap_with_ddp=False)
-        bridge.load_weights(model, path)
-        logits = model[0](input_ids, position_ids, attention_mask=None)   # [b, S, V/tp]
+        bridge, model = build_tree_model(path, wrap_with_ddp=False)   # CPU overrides applied
+        logits = model[0](mb.input_ids, mb.position_ids, mb.attention_mask)   # [1, T, V/tp]
 
-(:func:`build_cpu_bridge_model` does the four bridge lines.) Keep the ``cpu_mode`` block
-open while the model runs: the shim is only active inside it.
+Keep the ``cpu_mode`` block open while the model runs: the shim is only active inside it.
 """
 
 from __future__ import annotations
@@ -205,79 +201,6 @@ def destroy_cpu_distributed() -> None:
 # --------------------------------------------------------------------------- tiny models
 
 
-def local_spec_overrides() -> dict[str, Any]:
-    """``TransformerConfig`` overrides for megatron-core's local (non-Transformer-Engine) spec on GPUs.
-
-    Its torch norms refuse ``persist_layer_norm`` and sequence parallel, and gradient-
-    accumulation fusion needs apex or TE; mbridge turns these on by default (sequence
-    parallel whenever TP > 1). Empty when Transformer Engine is installed.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return {}
-    return {"persist_layer_norm": False, "sequence_parallel": False, "gradient_accumulation_fusion": False}
-
-
-def recompute_overrides(mode: str) -> dict[str, Any]:
-    """``TransformerConfig`` overrides for activation recompute ``mode``: "none", "full" (every
-    layer, uniform) or "selective" (core attention)."""
-    modes = {
-        "none": {},
-        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-        "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-    }
-    if mode not in modes:
-        raise ValueError(f"recompute mode must be one of {sorted(modes)}, got {mode!r}")
-    return dict(modes[mode])
-
-
-def tree_training_overrides(*, moe: bool, recompute: str = "none") -> dict[str, Any]:
-    """``TransformerConfig`` overrides of a tree-training run built by mbridge on this machine.
-
-    ``calculate_per_token_loss=True`` (tree and flat steps then normalise alike), the CPU
-    overrides without CUDA, else the local-spec ones, and on GPUs MoE with the all-to-all
-    dispatcher (variable micro-batch lengths), plus :func:`recompute_overrides`.
-    """
-    extra: dict[str, Any] = dict(calculate_per_token_loss=True)
-    if not torch.cuda.is_available():
-        extra.update(cpu_transformer_overrides(moe=moe))
-    else:
-        extra.update(local_spec_overrides())
-        if moe:
-            extra.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, variable_seq_lengths=True)
-    extra.update(recompute_overrides(recompute))
-    return extra
-
-
-def cpu_transformer_overrides(moe: bool) -> dict[str, Any]:
-    """``TransformerConfig`` overrides that make an mbridge-built model run on CPU (``bridge.set_extra_args(**...)``).
-
-    Turns off every fused CUDA kernel (softmax, bias-activation, bias-dropout, RoPE,
-    gradient-accumulation, persistent layer norm), initialises on CPU, and disables
-    sequence parallel (the local, non-TE spec cannot do it). For MoE (``moe=True``) also
-    uses the per-expert local MLPs instead of grouped GEMM, the ``allgather`` token
-    dispatcher, and fixed sequence lengths.
-    """
-    overrides: dict[str, Any] = {
-        "use_cpu_initialization": True,
-        "masked_softmax_fusion": False,
-        "bias_activation_fusion": False,
-        "bias_dropout_fusion": False,
-        "apply_rope_fusion": False,
-        "gradient_accumulation_fusion": False,
-        "persist_layer_norm": False,
-        "sequence_parallel": False,
-    }
-    if moe:
-        overrides.update(
-            moe_grouped_gemm=False,
-            moe_token_dispatcher_type="allgather",
-            variable_seq_lengths=False,
-        )
-    return overrides
-
-
 def _tiny_config(arch: str, overrides: dict[str, Any]):
     import transformers
 
@@ -363,27 +286,6 @@ def save_hf_config(arch: str, path: str | os.PathLike, **overrides: Any) -> str:
     if dist.is_initialized():
         dist.barrier()
     return path
-
-
-def build_cpu_bridge_model(hf_path: str | os.PathLike, **get_model_kwargs: Any):
-    """Build an fp32 megatron-core model from the HF checkpoint at ``hf_path`` with mbridge and load its weights.
-
-    Returns ``(bridge, chunks)``: the mbridge bridge and the list of model chunks (one per
-    virtual pipeline stage, unwrapped ``GPTModel`` s). Uses :func:`cpu_transformer_overrides`
-    (MoE detected from the config) and ``get_model(bf16=False, fp16=False,
-    wrap_with_ddp=False, **get_model_kwargs)``. Call it inside :func:`cpu_mode` and a patch
-    context (:func:`patches.apply_compat_patches`, or one that includes it) after
-    :func:`init_cpu_distributed`; keep ``cpu_mode`` open while the model runs.
-    """
-    from mbridge import AutoBridge
-
-    bridge = AutoBridge.from_pretrained(os.fspath(hf_path), dtype=torch.float32)
-    bridge.set_extra_args(**cpu_transformer_overrides(moe=bridge.config.num_moe_experts is not None))
-    kwargs = dict(bf16=False, fp16=False, wrap_with_ddp=False)
-    kwargs.update(get_model_kwargs)
-    chunks = bridge.get_model(**kwargs)
-    bridge.load_weights(chunks, os.fspath(hf_path))
-    return bridge, chunks
 
 
 def hf_reference_logits(hf_path: str | os.PathLike, input_ids: torch.Tensor) -> torch.Tensor:

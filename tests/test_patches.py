@@ -20,10 +20,10 @@ from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from megatron_tree.bridge import build_tree_model  # noqa: E402
+from megatron_tree.config_overrides import cpu_transformer_overrides  # noqa: E402
 from megatron_tree.testing import (  # noqa: E402
-    build_cpu_bridge_model,
     cpu_mode,
-    cpu_transformer_overrides,
     destroy_cpu_distributed,
     hf_reference_logits,
     init_cpu_distributed,
@@ -166,7 +166,7 @@ def test_local_names_map_to_te_names_with_global_expert_ids():
 def test_export_weights_round_trips_hf_checkpoint(arch, tiny_paths, cpu_dist):
     hf = load_file(f"{tiny_paths[arch]}/model.safetensors")
     with apply_compat_patches(), cpu_mode():
-        bridge, chunks = build_cpu_bridge_model(tiny_paths[arch])
+        bridge, chunks = build_tree_model(tiny_paths[arch], tree=False)
         exported = dict(bridge.export_weights(chunks))
     assert sorted(exported) == sorted(hf)
     for key, value in hf.items():
@@ -177,7 +177,7 @@ def test_router_follows_norm_topk_prob(tmp_path, cpu_dist):
     path = save_tiny_hf_checkpoint("qwen3_moe", tmp_path, norm_topk_prob=False)
     input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
-        bridge, chunks = build_cpu_bridge_model(path)
+        bridge, chunks = build_tree_model(path, tree=False)
         with torch.no_grad():
             logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
         assert bridge.config.moe_router_pre_softmax

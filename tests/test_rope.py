@@ -22,9 +22,9 @@ from megatron_tree.attention import TreeCoreAttention
 from megatron_tree.layer_spec import tree_layer_spec
 from megatron_tree.logprobs import gather_tree_logprobs
 from megatron_tree.rope import TreeRotaryEmbedding, enable_tree_rope
+from megatron_tree.config_overrides import cpu_transformer_overrides
 from megatron_tree.testing import (
     cpu_mode,
-    cpu_transformer_overrides,
     destroy_cpu_distributed,
     init_cpu_distributed,
 )

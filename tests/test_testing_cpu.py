@@ -17,11 +17,11 @@ from dist_utils import run_torchrun  # noqa: E402
 from megatron.core.tensor_parallel import random as tp_random  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from megatron_tree.bridge import build_tree_model  # noqa: E402
+from megatron_tree.config_overrides import cpu_transformer_overrides  # noqa: E402
 from megatron_tree.testing import (  # noqa: E402
     TINY_ARCHS,
-    build_cpu_bridge_model,
     cpu_mode,
-    cpu_transformer_overrides,
     destroy_cpu_distributed,
     hf_reference_logits,
     init_cpu_distributed,
@@ -133,7 +133,7 @@ def test_bridge_logits_match_hf(arch, tmp_path, cpu_dist):
     path = save_tiny_hf_checkpoint(arch, tmp_path / arch)
     input_ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(3))
     with apply_compat_patches(), cpu_mode():
-        _, chunks = build_cpu_bridge_model(path)
+        _, chunks = build_tree_model(path, tree=False)
         model = chunks[0].eval()
         assert all(p.dtype == torch.float32 for p in model.parameters())
         with torch.no_grad():

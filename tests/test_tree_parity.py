@@ -36,7 +36,6 @@ from megatron_tree.testing import (
     cpu_mode,
     destroy_cpu_distributed,
     init_cpu_distributed,
-    recompute_overrides,
     save_tiny_hf_checkpoint,
 )
 from patches import apply_compat_patches
@@ -126,7 +125,7 @@ GRAD_CASES = [("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qw
 def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest, monkeypatch):
     seqs, mbs = forest
     path = checkpoints[arch]
-    tree = build_model(path, tree=True, **recompute_overrides(recompute))[0].train()
+    tree = build_model(path, tree=True, recompute=recompute)[0].train()
     flat = build_model(path, tree=False)[0].train()
 
     builds = []  # backend-agnostic: every prepared-mask cache miss validates the mask once

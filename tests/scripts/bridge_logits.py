@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from safetensors.torch import load_file
 
+from megatron_tree.bridge import build_tree_model
 from megatron_tree.testing import (
-    build_cpu_bridge_model,
     cpu_mode,
     destroy_cpu_distributed,
     hf_reference_logits,
@@ -51,7 +51,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, bool]:
     init_cpu_distributed(**sizes)
     path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, case.replace(":", "_")))
     input_ids = torch.randint(0, 160, (1, 11), generator=torch.Generator().manual_seed(5))
-    bridge, chunks = build_cpu_bridge_model(path)
+    bridge, chunks = build_tree_model(path, tree=False)
     model = chunks[0].eval()
     with torch.no_grad():
         logits = gather_vocab_parallel(model(input_ids, torch.arange(11)[None], attention_mask=None))

@@ -13,10 +13,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.bridge import patch_bridge_for_tree_training
+from megatron_tree.bridge import build_tree_model
 from megatron_tree.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
-from megatron_tree.testing import cpu_transformer_overrides
-from patches import apply_compat_patches
 
 VOCAB = 160  # save_tiny_hf_checkpoint's vocabulary
 
@@ -46,24 +44,11 @@ def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
     return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))
 
 
-def build_model(hf_path: str, *, tree: bool, bf16: bool = False, **config_overrides):
-    """Model chunks built by mbridge from ``hf_path`` with its weights loaded (fp32, or bf16
-    wrapped in ``Float16Module`` whose outputs are fp32).
-
-    ``tree=True`` builds under :func:`patch_bridge_for_tree_training` (tree attention and
-    per-token RoPE); ``tree=False`` builds the upstream (flat, causal) model.
-    ``config_overrides`` go to ``bridge.set_extra_args`` after the CPU overrides.
-    """
-    from mbridge import AutoBridge
-
-    with apply_compat_patches(), patch_bridge_for_tree_training(enable=tree):
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        bridge = AutoBridge.from_pretrained(os.fspath(hf_path), dtype=dtype)
-        moe = bridge.config.num_moe_experts is not None
-        bridge.set_extra_args(**cpu_transformer_overrides(moe=moe), **config_overrides)
-        chunks = bridge.get_model(bf16=bf16, fp16=False, wrap_with_ddp=False)
-        bridge.load_weights(chunks, os.fspath(hf_path))
-    return chunks
+def build_model(hf_path: str, *, tree: bool, bf16: bool = False, recompute: str = "none"):
+    """Model chunks built by :func:`build_tree_model` from ``hf_path`` with its weights loaded
+    (fp32, or bf16 wrapped in ``Float16Module`` whose outputs are fp32): tree attention and
+    per-token RoPE with ``tree=True``, the upstream (flat, causal) model with ``tree=False``."""
+    return build_tree_model(hf_path, tree=tree, bf16=bf16, recompute=recompute, wrap_with_ddp=False)[1]
 
 
 def _tp_group():

@@ -40,7 +40,6 @@ from megatron_tree.testing import (
     cpu_mode,
     destroy_cpu_distributed,
     init_cpu_distributed,
-    recompute_overrides,
     save_tiny_hf_checkpoint,
 )
 from patches import apply_compat_patches
@@ -59,7 +58,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
         tree = build_model(path, tree=True)[0].eval()
         with torch.no_grad():
             return max_diff(tree_logprobs(tree, mbs), hf_logprobs(path, seqs)), 0.0
-    tree = build_model(path, tree=True, **recompute_overrides(recompute))[0].train()
+    tree = build_model(path, tree=True, recompute=recompute)[0].train()
     flat = build_model(path, tree=False)[0].train()
     tree_lp = {}
     for mb in mbs:

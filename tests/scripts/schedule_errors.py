@@ -15,7 +15,8 @@ import sys
 import numpy as np
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.testing import build_cpu_bridge_model, cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.bridge import build_tree_model
+from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
 from patches import apply_compat_patches
 
 
@@ -46,7 +47,7 @@ def main():
         init_cpu_distributed(pp=args.pp, vpp=args.vpp)
         path = save_tiny_hf_checkpoint("qwen3", args.ckpt, num_hidden_layers=4)
         with patch_bridge_for_tree_training():
-            _, model = build_cpu_bridge_model(path)
+            _, model = build_tree_model(path, tree=False)
         config = get_model_config(model[0])
         rng = np.random.default_rng(0)
         seqs = [rng.integers(0, 100, 20) for _ in range(6)]

@@ -25,7 +25,7 @@ from megatron_tree import MicroBatchSpec, pack_trees
 from patches import apply_compat_patches
 from megatron_tree.losses import sft_loss
 from megatron_tree.packing import build_micro_batch
-from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint, tree_training_overrides
+from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
 
 
 def branching_batch(vocab: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -65,12 +65,10 @@ def main():
     ap.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args()
 
-    from mbridge import AutoBridge
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    from megatron_tree.bridge import patch_bridge_for_tree_training
+    from megatron_tree.bridge import build_tree_model
     from megatron_tree.schedule import tree_forward_backward
 
     cuda = torch.cuda.is_available()
@@ -89,20 +87,11 @@ def main():
             init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, seed=7)
         path = save_tiny_hf_checkpoint(args.arch, args.ckpt, num_hidden_layers=args.layers)
         def build(bf16: bool):
-            with patch_bridge_for_tree_training():
-                bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
-                bridge.set_extra_args(
-                    **tree_training_overrides(moe=args.arch.endswith("moe"), recompute=args.recompute),
-                    attention_dropout=0.0,
-                    hidden_dropout=0.0,
-                )
-                chunks = bridge.get_model(
-                    bf16=bf16, fp16=False, wrap_with_ddp=True,
-                    ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-                )
-                bridge.load_weights(chunks, path)
-            get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
-            return bridge, chunks
+            return build_tree_model(
+                path, bf16=bf16, recompute=args.recompute, extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
+                wrap_with_ddp=True,
+                ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+            )
 
         bridge, model = build(args.bf16)
         config = get_model_config(model[0])
