@@ -1,6 +1,7 @@
 """Tree vs flat training steps on one GPU: same model, same rollout batch, same run.
 
     python benchmarks/e2e_bench.py --model qwen3-0.6b --out benchmarks/results/e2e_qwen3-0.6b.json
+    python benchmarks/e2e_bench.py --model tiny --scale 0.02 --max-tokens-per-mb 256 --out /tmp/e2e.json  # CPU smoke
 
 Flat = every sequence its own causal chain, packed several to a micro-batch up to the same
 ``max_tokens_per_mb`` (block-diagonal causal attention through the same block-sparse
@@ -36,6 +37,7 @@ from megatron_tree.tree import as_sequences  # noqa: E402
 from step_profile import OPTIMIZER_REGION, profile_step  # noqa: E402
 
 MODELS = {
+    "tiny": ("qwen3", dict(num_hidden_layers=2)),  # the test checkpoint's shape: CPU smoke runs of this harness
     # HF config overrides of random-init Qwen3 shapes (Megatron initialises the weights).
     "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128)),
@@ -49,15 +51,20 @@ MODELS = {
 }
 
 
-def workloads(name: str, rng: np.random.Generator, vocab: int):
+def workloads(name: str, rng: np.random.Generator, vocab: int, scale: float = 1.0):
+    """The rollout batch of workload ``name``; ``scale`` multiplies every length (smoke runs)."""
+
+    def n(x: int) -> int:
+        return max(1, round(x * scale))
+
     if name == "grpo":  # prompt 1-4k, 8-16 samples, responses 0.2-2k
-        return grpo_batch(rng, n_prompts=4, samples=(8, 16), prompt_len=(1024, 4096), response_len=(200, 2000),
-                          vocab=vocab)
+        return grpo_batch(rng, n_prompts=4, samples=(8, 16), prompt_len=(n(1024), n(4096)),
+                          response_len=(n(200), n(2000)), vocab=vocab)
     if name == "multi_turn":  # tau-bench-like agent trees: many turns, forks
-        return multi_turn_batch(rng, n_conversations=6, turns=(8, 16), turn_len=(100, 600), fork_prob=0.25,
-                                system_len=1500, vocab=vocab)
+        return multi_turn_batch(rng, n_conversations=6, turns=(8, 16), turn_len=(n(100), n(600)), fork_prob=0.25,
+                                system_len=n(1500), vocab=vocab)
     if name == "no_sharing":
-        return no_sharing_batch(rng, n=48, length=(500, 3000), vocab=vocab)
+        return no_sharing_batch(rng, n=48, length=(n(500), n(3000)), vocab=vocab)
     raise ValueError(f"unknown workload {name!r}; choose grpo, multi_turn, no_sharing")
 
 
@@ -98,17 +105,25 @@ def train_step(model, optimizer, mbs, loss_fn) -> None:
         optimizer.step()
 
 
-def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], int]:
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
+def _sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], float | None]:
+    """Step times (s) after ``warmup`` steps, and peak GPU memory in GiB (None on CPU)."""
+    times = []
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        _sync()
         t0 = time.perf_counter()
         train_step(model, optimizer, mbs, loss_fn)
-        torch.cuda.synchronize()
+        _sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return times, torch.cuda.max_memory_allocated()
+    return times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
 def main():
@@ -121,12 +136,16 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="add one profiled step per mode: kernel time by category, logprobs, optimizer, idle")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke runs)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("e2e_bench needs a CUDA GPU (it measures bf16 kernels)")
+    cuda = torch.cuda.is_available()
+    if not cuda and args.model != "tiny":
+        raise SystemExit("e2e_bench measures bf16 kernels on a CUDA GPU; without one only --model tiny "
+                         "(a fp32 smoke run of the harness) is allowed")
     import train_tree
 
+    from megatron_tree.testing import cpu_mode
     from patches import apply_compat_patches
 
     arch, overrides = MODELS[args.model]
@@ -134,21 +153,21 @@ def main():
         {
             "model": {"arch": arch, "hf_overrides": overrides, "random_init": True},
             "micro_batch": {"max_tokens_per_mb": args.max_tokens_per_mb, "packing_algorithm": "kk"},
-            "train": {"bf16": True, "recompute": args.recompute, "lr": 1e-5},
+            "train": {"bf16": cuda, "recompute": args.recompute, "lr": 1e-5},
         }
     )
     rows = []
-    with apply_compat_patches():
-        train_tree.init_distributed(cfg, cuda=True)
+    with apply_compat_patches(), cpu_mode():
+        train_tree.init_distributed(cfg, cuda=cuda)
         path, load = train_tree.model_path(cfg)
-        model, optimizer, vocab = train_tree.build_model(cfg, path, load, cuda=True)
+        model, optimizer, vocab = train_tree.build_model(cfg, path, load, cuda=cuda)
         from mbridge import AutoBridge
 
         hf_cfg = AutoBridge.from_pretrained(path).hf_config
         per_token, per_pair = flops_per_token_and_pair(hf_cfg)
         loss_fn = train_tree.make_loss_fn(cfg, advantages=None)
         for name in args.workloads.split(","):
-            seqs = workloads(name, np.random.default_rng(0), vocab)
+            seqs = workloads(name, np.random.default_rng(0), vocab, args.scale)
             forest = build_forest(as_sequences(seqs))
             lens = np.array([len(s) for s in seqs], dtype=np.float64)
             original, unique = float(lens.sum()), float(forest.num_tokens)
@@ -167,7 +186,7 @@ def main():
                 step_s = statistics.median(times)
                 computed_tokens, computed_pairs = packed_work(mbs)
                 row[mode] = dict(step_s=step_s, step_times=times, tokens_per_s=original / step_s,
-                                 peak_mem_gib=peak / 2**30, micro_batches=len(mbs),
+                                 peak_mem_gib=peak, micro_batches=len(mbs),
                                  max_mb_slots=max(mb.num_slots for mb in mbs),
                                  computed_tokens=computed_tokens, computed_pairs=computed_pairs,
                                  tflops_per_s=(flops_flat if mode == "flat" else flops_tree) / step_s / 1e12)
@@ -182,12 +201,13 @@ def main():
             rows.append(row)
             print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
                   f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
-                  f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['peak_mem_gib']:.1f}GiB "
-                  f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['peak_mem_gib']:.1f}GiB", flush=True)
+                  f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['peak_mem_gib'] or 0:.1f}GiB "
+                  f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['peak_mem_gib'] or 0:.1f}GiB", flush=True)
             for mode in ("flat", "tree") if args.profile else ():
                 print(f"  {mode} profile: {json.dumps(row[mode]['profile'])}", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        device = torch.cuda.get_device_name() if cuda else "cpu"
+        json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
