@@ -22,10 +22,13 @@ def main():
     labels = [f"{r['model']}\n{r['workload']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
-    ax.bar([i - 0.2 for i in x], [r["flop_ideal_speedup"] for r in rows], width=0.4, label="FLOP-ideal speedup")
-    ax.bar([i + 0.2 for i in x], [r["speedup"] for r in rows], width=0.4, label="measured step speedup")
+    ax.bar([i - 0.27 for i in x], [r["flop_ideal_speedup"] for r in rows], width=0.27, label="FLOP-ideal speedup")
+    # Older result files lack the ideal of the trees as packed (prefixes of split trees once per part).
+    ax.bar([i for i in x], [r.get("packed_flop_ideal_speedup", 0.0) for r in rows], width=0.27,
+           label="FLOP-ideal of the trees as packed")
+    ax.bar([i + 0.27 for i in x], [r["speedup"] for r in rows], width=0.27, label="measured step speedup")
     for i, r in enumerate(rows):
-        ax.text(i + 0.2, r["speedup"], f"{r['achieved_fraction_of_ideal']:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.text(i + 0.27, r["speedup"], f"{r['achieved_fraction_of_ideal']:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("tree vs flat (x)")
     ax.set_title("Tree vs flat training step, one H200, bf16 (label: achieved fraction of ideal)")
