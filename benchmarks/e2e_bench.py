@@ -105,11 +105,6 @@ def train_step(model, optimizer, mbs, loss_fn) -> None:
         optimizer.step()
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], float | None]:
     """Step times (s) after ``warmup`` steps, and peak GPU memory in GiB (None on CPU)."""
     times = []
@@ -117,10 +112,12 @@ def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tupl
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
-        _sync()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         train_step(model, optimizer, mbs, loss_fn)
-        _sync()
+        if cuda:
+            torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -160,11 +157,9 @@ def main():
     with apply_compat_patches(), cpu_mode():
         train_tree.init_distributed(cfg, cuda=cuda)
         path, load = train_tree.model_path(cfg)
-        model, optimizer, vocab = train_tree.build_model(cfg, path, load, cuda=cuda)
-        from mbridge import AutoBridge
-
-        hf_cfg = AutoBridge.from_pretrained(path).hf_config
-        per_token, per_pair = flops_per_token_and_pair(hf_cfg)
+        model, optimizer, hf_config = train_tree.build_model(cfg, path, load, cuda=cuda)
+        vocab = hf_config.vocab_size
+        per_token, per_pair = flops_per_token_and_pair(hf_config)
         loss_fn = train_tree.make_loss_fn(cfg, advantages=None)
         for name in args.workloads.split(","):
             seqs = workloads(name, np.random.default_rng(0), vocab, args.scale)

@@ -133,7 +133,7 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
                         use_distributed_optimizer=False),
         model,
     )
-    return model, optimizer, bridge.hf_config.vocab_size
+    return model, optimizer, bridge.hf_config
 
 
 def rollout(cfg: RunConfig, step: int, vocab: int):
@@ -185,7 +185,8 @@ def main(argv=None):
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         dp_group = ps.get_data_parallel_group()
         path, load = model_path(cfg)
-        model, optimizer, vocab = build_model(cfg, path, load, cuda)
+        model, optimizer, hf_config = build_model(cfg, path, load, cuda)
+        vocab = hf_config.vocab_size
         divisor = (model[0].config.microbatch_group_size_per_vp_stage or cfg.parallel.pp) if cfg.parallel.vpp else 1
         spec = MicroBatchSpec.new(cfg.micro_batch, n_mbs_divisor=max(cfg.micro_batch.n_mbs_divisor, divisor),
                                   n_mbs=max(cfg.micro_batch.n_mbs, divisor))

@@ -9,8 +9,9 @@
     # the model keeps tree attention and per-token RoPE; nothing stays patched.
 
 :func:`build_tree_model` does those three calls with the ``TransformerConfig`` overrides a
-tree-training run needs on this machine. Without mbridge, on plain megatron-core: build ``GPTModel(transformer_layer_spec=
-tree_layer_spec(spec), ...)`` and call ``enable_tree_rope(model)`` on what you built.
+tree-training run needs on this machine. Without mbridge, on plain megatron-core: build
+``GPTModel(transformer_layer_spec=tree_layer_spec(spec), ...)`` and call
+``enable_tree_rope(model)`` on what you built.
 """
 
 from __future__ import annotations

@@ -50,6 +50,13 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
         dist.all_reduce(tensor, op=op, group=group)
 
 
+def _shard_columns(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local_col, owned)`` [N]: each label's column in this rank's vocabulary shard, and
+    whether the shard holds it (``local_col`` is out of range where it does not)."""
+    local_col = labels - vocab_start
+    return local_col, (local_col >= 0) & (local_col < vocab_local)
+
+
 def _forward_kernel(
     logits: torch.Tensor,
     slots: torch.Tensor,
@@ -84,8 +91,7 @@ def _forward_kernel(
             sum_exp_shifted[start:end] = torch.special.xlogy(buf, buf, out=buf).sum(dim=-1)
         del buf  # free before the next chunk is allocated
 
-    local_col = labels - vocab_start
-    owned = (local_col >= 0) & (local_col < vocab_local)
+    local_col, owned = _shard_columns(labels, vocab_start, vocab_local)
     target = logits[slots, local_col.clamp(0, vocab_local - 1)].float().div_(temperature)
     target.masked_fill_(~owned, 0.0)
 
@@ -134,12 +140,9 @@ def _backward_kernel(
         chunk_rows = max(1, chunk_rows // 2)  # two fp32 buffers below
     starts = range(0, rows, chunk_rows)
     if grad_logprobs is not None:
-        # + g_k at (slot_k, label_k): group the targets by row once (other shards' targets sort
-        # past the last row), so each chunk scatters only its own targets. Scattering all N
-        # targets in every chunk costs O(N) per chunk, and CUDA's (deterministic, sort-based)
-        # accumulating index_put_ is slow on the many duplicates that masking creates.
-        local_col = labels - vocab_start
-        owned = (local_col >= 0) & (local_col < vocab_local)
+        # + g_k at (slot_k, label_k): the targets grouped by row once (other shards' targets
+        # sort past the last row), so each chunk scatters only its own: O(N) in all.
+        local_col, owned = _shard_columns(labels, vocab_start, vocab_local)
         target_row, order = torch.sort(torch.where(owned, slots, rows), stable=True)
         target_col, target_grad = local_col[order], grad_logprobs.float()[order]
         edges = torch.arange(0, rows + chunk_rows, chunk_rows, device=slots.device).clamp_(max=rows)
