@@ -11,6 +11,7 @@
   so ``wall_ms - busy_ms`` is time the device sat idle waiting for the host;
 - ``kernels_ms``: summed kernel time per category of :data:`KERNEL_CATEGORIES` (first match
   on the lower-cased kernel name wins; the rest is ``other``);
+- ``top_kernels``: the :data:`TOP_KERNELS` kernels of most total time, ``[name[:80], ms, calls]``;
 - ``regions_ms``: device time (CPU: CPU time) under the ops named in :data:`REGIONS`, each
   counted once where matches nest (autograd's ``evaluate_function`` wrapper and the node).
 
@@ -28,6 +29,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 OPTIMIZER_REGION = "bench.optimizer"
+TOP_KERNELS = 12
 KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flex", "triton_tem")),  # FlexAttention's forward / backward templates
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),
@@ -66,11 +68,15 @@ def _matches(name: str, needles: tuple[str, ...]) -> bool:
 def summarize(events, wall_s: float, cuda: bool) -> dict:
     """The breakdown dict (module docstring) of a profiler's ``events()``."""
     kernels: dict[str, float] = {}
+    per_name: dict[str, list] = {}
     intervals = []
     for e in events:
         if cuda and e.device_type == DeviceType.CUDA:
             duration = e.time_range.elapsed_us()
             kernels[_category(e.name)] = kernels.get(_category(e.name), 0.0) + duration / 1e3
+            entry = per_name.setdefault(e.name[:80], [e.name[:80], 0.0, 0])
+            entry[1] += duration / 1e3
+            entry[2] += 1
             intervals.append((e.time_range.start, e.time_range.end))
         elif not cuda and e.device_type == DeviceType.CPU and e.cpu_parent is None:
             intervals.append((e.time_range.start, e.time_range.end))
@@ -91,6 +97,7 @@ def summarize(events, wall_s: float, cuda: bool) -> dict:
         "busy_ms": _union_ms(intervals),
         "kernels_ms": dict(sorted(kernels.items())),
         "regions_ms": regions,
+        "top_kernels": sorted(per_name.values(), key=lambda x: -x[1])[:TOP_KERNELS],
     }
 
 
