@@ -23,9 +23,12 @@ targets predicted at s. The output layer's backward (Megatron's column-parallel 
 sums the partial input gradients across ranks, so the loss built on the returned values
 must be the same on every rank of ``tp_group`` (it is when computed from them alone).
 
-Memory: rows are processed in chunks of ``chunk_rows``; at most one fp32 copy of a chunk
-``[chunk_rows, V_l]`` exists at a time (two half-size ones in the entropy backward). The
-caller's logits are never written to.
+Memory and speed: rows are processed in chunks of ``chunk_rows``. On CUDA each chunk's math
+is one compiled (Inductor) kernel that reads the chunk once and keeps nothing in fp32;
+elsewhere it runs eagerly with a few fp32 chunk-sized temporaries. The backward's
+``[T, V_l]`` gradient is a new tensor, or with ``inplace_backward`` the logits' own memory
+(saving one ``[T, V_l]`` buffer at the loss, where memory peaks); otherwise the caller's
+logits are never written to.
 
 Layers: ``_forward_kernel`` / ``_backward_kernel`` (flat tensors) -> ``_TreeLogprobs``
 (autograd) -> ``vocab_parallel_logprobs`` / ``gather_tree_logprobs`` (validate, dispatch).
@@ -57,6 +60,63 @@ def _shard_columns(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> 
     return local_col, (local_col >= 0) & (local_col < vocab_local)
 
 
+def _chunk_sums(
+    x: torch.Tensor, row_max: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(sum_v exp(y), sum_v exp(y) y or None)`` [c] fp32 of one chunk ``x [c, V_l]`` with
+    ``y = x / temperature - row_max``."""
+    e = (x.float() / temperature - row_max[:, None]).exp()
+    # exp(y) * y == xlogy(e, e): 0, not nan, for a -inf logit.
+    return e.sum(dim=-1), torch.special.xlogy(e, e).sum(dim=-1) if with_entropy else None
+
+
+def _grad_values(
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    coef_entropy: torch.Tensor | None,
+    row_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """fp32 ``d out / d x`` before the ``+ g_k`` of the targets: ``-p G`` or, with entropy,
+    ``-(p log p GH + p (G + GH H))``, divided by ``temperature``. Row terms broadcast over ``x``."""
+    p = (x.float() / temperature - lse).exp()
+    if coef_entropy is None:
+        return -p * coef / temperature
+    # xlogy keeps p = 0 (a -inf logit) at 0, not nan.
+    return -(torch.special.xlogy(p, p) * coef_entropy + p * (coef + coef_entropy * row_entropy)) / temperature
+
+
+def _chunk_grad(
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    coef_entropy: torch.Tensor | None,
+    row_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """:func:`_grad_values` of one chunk ``x [c, V_l]`` (row terms [c]), in ``x``'s dtype."""
+
+    def col(v: torch.Tensor | None) -> torch.Tensor | None:
+        return None if v is None else v[:, None]
+
+    return _grad_values(x, col(lse), col(coef), col(coef_entropy), col(row_entropy), temperature).to(x.dtype)
+
+
+_compiled: dict = {}
+
+
+def _kernel(fn, device: torch.device):
+    """``fn`` compiled into one fused kernel per chunk on CUDA (one read of the chunk, no fp32
+    copy in memory); eager elsewhere. Shapes: the chunk length varies only in a call's last
+    chunk, which Dynamo's automatic dynamic shapes absorb after one recompile."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn)
+    return _compiled[fn]
+
+
 def _forward_kernel(
     logits: torch.Tensor,
     slots: torch.Tensor,
@@ -79,17 +139,15 @@ def _forward_kernel(
     row_max = logits[:rows].amax(dim=-1).float().div_(temperature)
     _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
 
+    sums = _kernel(_chunk_sums, logits.device)
     sum_exp = torch.empty(rows, dtype=torch.float32, device=logits.device)
     sum_exp_shifted = torch.empty_like(sum_exp) if with_entropy else None
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
-        buf = logits[start:end].to(torch.float32, copy=True)
-        buf.div_(temperature).sub_(row_max[start:end, None]).exp_()
-        sum_exp[start:end] = buf.sum(dim=-1)
+        chunk_sum, chunk_shifted = sums(logits[start:end], row_max[start:end], temperature, with_entropy)
+        sum_exp[start:end] = chunk_sum
         if with_entropy:
-            # exp(y) * y == xlogy(e, e) for e = exp(y); reuses the buffer in place.
-            sum_exp_shifted[start:end] = torch.special.xlogy(buf, buf, out=buf).sum(dim=-1)
-        del buf  # free before the next chunk is allocated
+            sum_exp_shifted[start:end] = chunk_shifted
 
     local_col, owned = _shard_columns(labels, vocab_start, vocab_local)
     target = logits[slots, local_col.clamp(0, vocab_local - 1)].float().div_(temperature)
@@ -120,14 +178,16 @@ def _backward_kernel(
     grad_entropy: torch.Tensor | None,
     temperature: float,
     chunk_rows: int,
+    inplace: bool,
 ) -> torch.Tensor:
     """Gradient wrt the local shard ``logits [T, V_l]`` (same dtype), computed locally.
 
     lse / row_entropy [R] fp32 from the forward; grad_logprobs / grad_entropy [N] or None
-    (an output that did not reach the loss).
+    (an output that did not reach the loss). ``inplace`` writes the gradient over ``logits``
+    (row by row after reading it) and returns ``logits``.
     """
     rows, vocab_local = lse.numel(), logits.shape[1]
-    grad = torch.empty_like(logits)
+    grad = logits if inplace else torch.empty_like(logits)
     grad[rows:].zero_()
 
     def per_row(values: torch.Tensor | None) -> torch.Tensor:
@@ -135,38 +195,35 @@ def _backward_kernel(
         return total if values is None else total.index_add_(0, slots, values.float())
 
     coef = per_row(grad_logprobs)  # G [R]
-    if grad_entropy is not None:
-        coef_entropy = per_row(grad_entropy)  # GH [R]
-        chunk_rows = max(1, chunk_rows // 2)  # two fp32 buffers below
-    starts = range(0, rows, chunk_rows)
+    coef_entropy = None if grad_entropy is None else per_row(grad_entropy)  # GH [R]
     if grad_logprobs is not None:
-        # + g_k at (slot_k, label_k): the targets grouped by row once (other shards' targets
-        # sort past the last row), so each chunk scatters only its own: O(N) in all.
+        # The + g_k at (slot_k, label_k): summed per distinct position of this shard (a shared
+        # prefix slot predicts the same label for every sequence through it), read before
+        # the chunks overwrite an in-place grad, and written once after them.
         local_col, owned = _shard_columns(labels, vocab_start, vocab_local)
-        target_row, order = torch.sort(torch.where(owned, slots, rows), stable=True)
-        target_col, target_grad = local_col[order], grad_logprobs.float()[order]
-        edges = torch.arange(0, rows + chunk_rows, chunk_rows, device=slots.device).clamp_(max=rows)
-        bounds = torch.searchsorted(target_row, edges).tolist()  # one host sync per call
+        keys, inverse = torch.unique((slots * vocab_local + local_col)[owned], return_inverse=True)
+        target_grad = torch.zeros(keys.numel(), dtype=torch.float32, device=logits.device)
+        target_grad.index_add_(0, inverse, grad_logprobs.float()[owned])
+        target_row, target_col = keys // vocab_local, keys % vocab_local
+        target_logit = logits[target_row, target_col]
 
-    for chunk, start in enumerate(starts):
+    chunk_grad = _kernel(_chunk_grad, logits.device)
+    for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
-        buf = logits[start:end].to(torch.float32, copy=True)
-        buf.div_(temperature).sub_(lse[start:end, None])  # log p
-        if grad_entropy is None:
-            buf.exp_().mul_(-coef[start:end, None])
-        else:
-            prob = buf.exp()
-            # -(p log p * GH + p (G + GH H)); xlogy keeps p = 0 (a -inf logit) at 0, not nan.
-            torch.special.xlogy(prob, prob, out=buf).mul_(coef_entropy[start:end, None])
-            shift = coef[start:end] + coef_entropy[start:end] * row_entropy[start:end]
-            buf.addcmul_(prob, shift[:, None]).neg_()
-            del prob
-        if grad_logprobs is not None:
-            lo, hi = bounds[chunk], bounds[chunk + 1]
-            index = (target_row[lo:hi] - start, target_col[lo:hi])
-            buf.index_put_(index, target_grad[lo:hi], accumulate=True)
-        grad[start:end] = buf.div_(temperature)
-        del buf
+        grad[start:end] = chunk_grad(
+            logits[start:end], lse[start:end], coef[start:end],
+            None if coef_entropy is None else coef_entropy[start:end],
+            None if row_entropy is None or coef_entropy is None else row_entropy[start:end],
+            temperature,
+        )  # fmt: skip
+    if grad_logprobs is not None:
+        value = _grad_values(
+            target_logit, lse[target_row], coef[target_row],
+            None if coef_entropy is None else coef_entropy[target_row],
+            None if coef_entropy is None else row_entropy[target_row],
+            temperature,
+        )  # fmt: skip
+        grad[target_row, target_col] = (value + target_grad / temperature).to(grad.dtype)
     return grad
 
 
@@ -174,25 +231,27 @@ class _TreeLogprobs(torch.autograd.Function):
     """Autograd wrapper of the two kernels; inputs are already validated."""
 
     @staticmethod
-    def forward(ctx, logits, slots, labels, vocab_start, rows, temperature, with_entropy, chunk_rows, tp_group):
+    def forward(
+        ctx, logits, slots, labels, vocab_start, rows, temperature, with_entropy, chunk_rows, tp_group, inplace
+    ):
         ctx.set_materialize_grads(False)
         logprobs, entropy, lse, row_entropy = _forward_kernel(
             logits, slots, labels, vocab_start, rows, temperature, with_entropy, chunk_rows, tp_group
         )
         ctx.save_for_backward(logits, slots, labels, lse, row_entropy)
-        ctx.vocab_start, ctx.temperature, ctx.chunk_rows = vocab_start, temperature, chunk_rows
+        ctx.vocab_start, ctx.temperature, ctx.chunk_rows, ctx.inplace = vocab_start, temperature, chunk_rows, inplace
         return (logprobs, entropy) if with_entropy else logprobs
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * 10
         logits, slots, labels, lse, row_entropy = ctx.saved_tensors
         grad = _backward_kernel(
             logits, slots, labels, ctx.vocab_start, lse, row_entropy,
-            grad_logprobs, grad_entropy, ctx.temperature, ctx.chunk_rows,
+            grad_logprobs, grad_entropy, ctx.temperature, ctx.chunk_rows, ctx.inplace,
         )  # fmt: skip
-        return (grad,) + (None,) * 8
+        return (grad,) + (None,) * 9
 
 
 def _check_across_ranks(
@@ -248,6 +307,7 @@ def vocab_parallel_logprobs(
     with_entropy: bool = False,
     rows: int | None = None,
     chunk_rows: int | None = None,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax(logits[slots] / temperature)[labels]`` over a vocabulary sharded across ``tp_group``.
 
@@ -261,6 +321,10 @@ def vocab_parallel_logprobs(
       with_entropy: also return the entropy of each target's predicting distribution.
       rows:     only rows ``[0, rows)`` are read (default T); later rows (padding) get zero grad.
       chunk_rows: rows per fp32 work chunk (default: ~2^26 / V_l).
+      inplace_backward: the backward writes the logits' gradient over ``logits`` (saves a
+                ``[T, V_l]`` buffer). Only when nothing reads ``logits`` after this call's
+                backward (true of :func:`~megatron_tree.schedule.tree_forward_step`), and not
+                with ``retain_graph``; else the caller's logits are never modified.
 
     Returns:
       logprobs [N] fp32, or ``(logprobs [N], entropy [N])`` fp32; identical on every rank
@@ -295,14 +359,17 @@ def vocab_parallel_logprobs(
     chunk_rows = max(1, _CHUNK_ELEMENTS // vocab_local) if chunk_rows is None else chunk_rows
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive int; got {chunk_rows!r}.")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool; got {type(inplace_backward).__name__}.")
     if tp_group is not None and not dist.is_initialized():
         raise ValueError("tp_group was given but torch.distributed is not initialised; pass tp_group=None for TP 1.")
 
     slots, labels = slots.long(), labels.long()
     tp_rank = _check_across_ranks(logits, slots, labels, rows, tp_group)
     return _TreeLogprobs.apply(
-        logits, slots, labels, tp_rank * vocab_local, rows, float(temperature), with_entropy, chunk_rows, tp_group
-    )
+        logits, slots, labels, tp_rank * vocab_local, rows, float(temperature), with_entropy, chunk_rows, tp_group,
+        inplace_backward,
+    )  # fmt: skip
 
 
 def gather_tree_logprobs(
@@ -313,6 +380,7 @@ def gather_tree_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_rows: int | None = None,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence next-token log-probs of a tree micro-batch, from its vocab-parallel logits.
 
@@ -320,7 +388,7 @@ def gather_tree_logprobs(
       logits: [1, T, V_l] float, as ``GPTModel`` returns them without labels; this rank's
               vocab shard over ``tp_group`` (``None`` = TP 1). Not modified.
       mb:     the micro-batch the logits were computed from (on the logits' device).
-      temperature, with_entropy, chunk_rows: as in :func:`vocab_parallel_logprobs`.
+      temperature, with_entropy, chunk_rows, inplace_backward: as in :func:`vocab_parallel_logprobs`.
 
     Returns:
       logprobs [N] fp32: for each sequence of ``mb.sequence_ids`` in order, its ``len - 1``
@@ -350,4 +418,5 @@ def gather_tree_logprobs(
         with_entropy=with_entropy,
         rows=mb.num_tokens,
         chunk_rows=chunk_rows,
+        inplace_backward=inplace_backward,
     )

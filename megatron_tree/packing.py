@@ -5,8 +5,9 @@ Plan on the global prefix forest, then build each micro-batch's own forest:
 1. Items. A root tree whose cost (its unique tokens) fits ``max_tokens_per_mb`` is one item:
    its sequences stay together and keep all their sharing. A tree that does not fit is
    split at its first node with several children: each child subtree becomes a piece that
-   carries a copy of the path above it, and the pieces are re-merged first-fit under that
-   path, so siblings keep sharing it wherever they fit together. Recurse as needed.
+   carries a copy of the path above it, and the pieces are re-merged under that path into
+   as many groups as first-fit decreasing needs, balanced by least load where that fits,
+   so siblings keep sharing it wherever they fit together. Recurse as needed.
 2. Granularity: items holding sequences of the same run of ``granularity`` inputs are merged.
 3. Bins. The count is FFD's minimum, raised to ``n_mbs``, rounded up to a multiple of
    ``n_mbs_divisor`` and, with a data-parallel group, the maximum over its ranks. Items
@@ -120,7 +121,9 @@ def plan_items(forest: TokenForest, capacity: int) -> tuple[list[np.ndarray], li
                 pieces.append((seqs_in(int(forest.node_start[v]), int(node_end[v])), int(size[v])))
             else:
                 done.extend(split(v))
-        # first-fit decreasing of the pieces under u's path
+        # First-fit decreasing of the pieces under u's path sets the group count; the pieces
+        # are then spread over that many groups by least load where that fits too, so a split
+        # tree gives balanced parts (a smaller largest micro-batch) at the same cost.
         pieces.sort(key=lambda p: -p[1])
         loads: list[int] = []
         groups: list[list[np.ndarray]] = []
@@ -133,6 +136,13 @@ def plan_items(forest: TokenForest, capacity: int) -> tuple[list[np.ndarray], li
             else:
                 loads.append(tok)
                 groups.append([members])
+        even_loads, even_groups = [0] * len(loads), [[] for _ in loads]
+        for members, tok in pieces:
+            b = int(np.argmin(even_loads))
+            even_loads[b] += tok
+            even_groups[b].append(members)
+        if path + max(even_loads, default=0) <= capacity:
+            loads, groups = even_loads, even_groups
         return done + [(np.concatenate(g), path + ld) for g, ld in zip(groups, loads)]
 
     items: list[np.ndarray] = []

@@ -64,7 +64,10 @@ def tree_forward_step(
         output = model(mb.input_ids, mb.position_ids, mb.attention_mask)
 
         def loss_func(logits: torch.Tensor):
-            logprobs = gather_tree_logprobs(logits, mb, tp_group=tp_group, temperature=temperature)
+            # The logits feed nothing else: their memory takes their gradient in the backward.
+            logprobs = gather_tree_logprobs(
+                logits, mb, tp_group=tp_group, temperature=temperature, inplace_backward=True
+            )
             result = loss_fn(logprobs, mb)
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise ValueError(

@@ -69,10 +69,54 @@ def test_caller_logits_unchanged(dtype):
     assert lp.dtype == ent.dtype == torch.float32 and logits.grad.dtype == dtype
 
 
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logprobs", "entropy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inplace_backward_same_grad(dtype, with_entropy):
+    """inplace_backward gives the same gradient, stored in the logits' own memory."""
+    (mb,) = micro_batches(BATCHES["grpo"], max_tokens=64)
+    base = (3 * torch.randn(1, mb.num_slots, 11)).to(dtype)
+    grads = []
+    for inplace in (False, True):
+        logits = base.clone().requires_grad_()
+        out = logits * 1  # a non-leaf, as Megatron's output layer returns
+        res = gather_tree_logprobs(out, mb, temperature=0.8, with_entropy=with_entropy, chunk_rows=3,
+                                   inplace_backward=inplace)
+        lp, ent = res if with_entropy else (res, torch.zeros(()))
+        weights = torch.linspace(-1, 2, lp.numel())
+        ((lp * weights).sum() + 0.5 * ent.sum()).backward()
+        grads.append(logits.grad)
+        assert torch.equal(out.detach(), logits.grad) == inplace  # the grad lives in out's memory
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_returns_tensor_without_entropy():
     (mb,) = micro_batches(BATCHES["multi_turn"], max_tokens=64)
     out = gather_tree_logprobs(torch.randn(1, mb.num_slots, 11), mb)
     assert isinstance(out, torch.Tensor) and out.shape == (sum(n - 1 for n in mb.seq_lens),)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logprobs", "entropy"])
+def test_cuda_compiled_chunks_match_reference(with_entropy):
+    """CUDA runs each chunk as one compiled kernel: values and grads vs fp64 log_softmax, N >> T,
+    a ragged last chunk and a second call of another length (the dynamic-shape recompile)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t, rows in ((300, 290), (173, 170)):
+        logits = (3 * torch.randn(t, 1000, device="cuda", generator=gen)).requires_grad_()
+        slots = torch.randint(0, rows, (4 * t,), device="cuda", generator=gen)
+        labels = torch.randint(0, 1000, (4 * t,), device="cuda", generator=gen)
+        w = torch.randn(4 * t, device="cuda", generator=gen)
+        res = vocab_parallel_logprobs(logits, slots, labels, temperature=0.9, rows=rows, chunk_rows=64,
+                                      with_entropy=with_entropy)
+        lp, ent = res if with_entropy else (res, torch.zeros((), device="cuda"))
+        ((lp * w).sum() + ent.sum()).backward()
+        ref_in = logits.detach().double().requires_grad_()
+        logp = torch.log_softmax(ref_in[slots] / 0.9, dim=-1)
+        ref = logp[torch.arange(4 * t, device="cuda"), labels]
+        ref_ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros((), device="cuda")
+        ((ref * w).sum() + ref_ent.sum()).backward()
+        assert (lp.double() - ref).abs().max() < TOL and (ent.double() - ref_ent).abs().max() < TOL
+        assert (logits.grad.double() - ref_in.grad).abs().max() < TOL
 
 
 _V = 11

@@ -121,6 +121,14 @@ def test_big_tree_is_split_and_siblings_keep_sharing_where_they_fit():
     assert all(mb.num_tokens == 160 for mb in mbs)
 
 
+def test_split_tree_parts_are_balanced():
+    """8 branches of 10 under a 10-token prompt, capacity 60: first-fit would give parts of 60
+    and 40 tokens; the split keeps its 2 parts and balances them at 50 each."""
+    seqs = [list(range(10)) + [100 + i] * 10 for i in range(8)]
+    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=60))
+    assert sorted(mb.num_tokens for mb in mbs) == [50, 50]
+
+
 def test_empty_micro_batches_pad_the_count():
     mbs = pack_trees([[1, 2, 3]], MicroBatchSpec(max_tokens_per_mb=8, n_mbs=3, n_mbs_divisor=2))
     assert len(mbs) == 4
