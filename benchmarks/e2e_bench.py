@@ -94,33 +94,44 @@ def packed_work(mbs) -> tuple[int, float]:
     return tokens, pairs
 
 
-def train_step(model, optimizer, mbs, loss_fn) -> None:
+def train_step(model, optimizer, mbs, loss_fn, between=None) -> None:
+    """One step: zero grads, forward-backward of ``mbs``, ``between()`` if given, optimizer step."""
     from megatron_tree.schedule import tree_forward_backward
 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     tree_forward_backward(model, mbs, loss_fn)
+    if between is not None:
+        between()
     with torch.profiler.record_function(OPTIMIZER_REGION):
         optimizer.step()
 
 
-def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], float | None]:
-    """Step times (s) after ``warmup`` steps, and peak GPU memory in GiB (None on CPU)."""
-    times = []
+def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], list[float], float | None]:
+    """Step times (s) after ``warmup`` steps, the optimizer's share of each (s, from a
+    synchronised mark after the backward; CUDA only, else 0), and peak GPU memory in GiB
+    (None on CPU)."""
+    times, optimizer_times = [], []
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    marks = []
+
+    def mark():
+        if cuda:
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+
     for i in range(warmup + steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        train_step(model, optimizer, mbs, loss_fn)
-        if cuda:
-            torch.cuda.synchronize()
+        marks.clear()
+        mark()
+        train_step(model, optimizer, mbs, loss_fn, between=mark if cuda else None)
+        mark()
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            times.append(marks[-1] - marks[0])
+            optimizer_times.append(marks[-1] - marks[1] if cuda else 0.0)
+    return times, optimizer_times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
 def main():
@@ -177,10 +188,11 @@ def main():
             spec = cfg.micro_batch
             for mode in ("flat", "tree"):
                 mbs = pack_trees(seqs, spec, share_prefixes=mode == "tree", pad_to_multiple_of=128)
-                times, peak = timed_steps(model, optimizer, mbs, loss_fn, args.warmup, args.steps)
+                times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, args.warmup, args.steps)
                 step_s = statistics.median(times)
                 computed_tokens, computed_pairs = packed_work(mbs)
-                row[mode] = dict(step_s=step_s, step_times=times, tokens_per_s=original / step_s,
+                row[mode] = dict(step_s=step_s, step_times=times, optimizer_s=statistics.median(optimizer_times),
+                                 tokens_per_s=original / step_s,
                                  peak_mem_gib=peak, micro_batches=len(mbs),
                                  max_mb_slots=max(mb.num_slots for mb in mbs),
                                  computed_tokens=computed_tokens, computed_pairs=computed_pairs,
@@ -197,7 +209,8 @@ def main():
             print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
                   f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
                   f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['peak_mem_gib'] or 0:.1f}GiB "
-                  f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['peak_mem_gib'] or 0:.1f}GiB", flush=True)
+                  f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['peak_mem_gib'] or 0:.1f}GiB "
+                  f"optimizer={row['flat']['optimizer_s']*1e3:.0f}/{row['tree']['optimizer_s']*1e3:.0f}ms", flush=True)
             for mode in ("flat", "tree") if args.profile else ():
                 print(f"  {mode} profile: {json.dumps(row[mode]['profile'])}", flush=True)
     with open(args.out, "w") as f:

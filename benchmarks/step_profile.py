@@ -12,6 +12,9 @@
 - ``kernels_ms``: summed kernel time per category of :data:`KERNEL_CATEGORIES` (first match
   on the lower-cased kernel name wins; the rest is ``other``);
 - ``top_kernels``: the :data:`TOP_KERNELS` kernels of most total time, ``[name[:80], ms, calls]``;
+- ``idle_by_host_op``: device idle time (gaps between kernels) by what the host was running
+  at each gap's midpoint, ``{"innermost": {op: ms}, "outermost": {op: ms}}``, top entries only
+  (CUDA only; the profiler's own host overhead inflates gaps alike in every mode);
 - ``regions_ms``: device time (CPU: CPU time) under the ops named in :data:`REGIONS`, each
   counted once where matches nest (autograd's ``evaluate_function`` wrapper and the node).
 
@@ -21,6 +24,7 @@ that mode exists to test the accounting without a GPU.
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable
 
@@ -61,6 +65,39 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The ``(start_us, end_us)`` gaps between the union of ``intervals``."""
+    gaps, reach = [], None
+    for start, end in sorted(intervals):
+        if reach is not None and start > reach:
+            gaps.append((reach, start))
+        reach = end if reach is None else max(reach, end)
+    return gaps
+
+
+def _idle_by_host_op(events, gaps: list[tuple[float, float]], top: int = 6, walk: int = 5000) -> dict:
+    """Gap time attributed to the innermost (latest-starting) host op containing each gap's
+    midpoint, and to that op's outermost ancestor (``<none>`` where no op contains it)."""
+    cpu = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in cpu]
+    inner: dict[str, float] = {}
+    outer: dict[str, float] = {}
+    for lo, hi in gaps:
+        mid, found = (lo + hi) / 2, None
+        i = bisect.bisect_right(starts, mid) - 1
+        for j in range(i, max(i - walk, -1), -1):
+            if cpu[j].time_range.end >= mid:
+                found = cpu[j]
+                break
+        root = found
+        while root is not None and root.cpu_parent is not None:
+            root = root.cpu_parent
+        for table, event in ((inner, found), (outer, root)):
+            name = "<none>" if event is None else event.name[:60]
+            table[name] = table.get(name, 0.0) + (hi - lo) / 1e3
+    return {k: dict(sorted(v.items(), key=lambda x: -x[1])[:top]) for k, v in (("innermost", inner), ("outermost", outer))}
+
+
 def _matches(name: str, needles: tuple[str, ...]) -> bool:
     return any(n in name for n in needles)
 
@@ -98,6 +135,7 @@ def summarize(events, wall_s: float, cuda: bool) -> dict:
         "kernels_ms": dict(sorted(kernels.items())),
         "regions_ms": regions,
         "top_kernels": sorted(per_name.values(), key=lambda x: -x[1])[:TOP_KERNELS],
+        "idle_by_host_op": _idle_by_host_op(events, _gaps(intervals)) if cuda else {},
     }
 
 

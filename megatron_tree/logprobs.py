@@ -44,7 +44,9 @@ import torch.distributed as dist
 from megatron_tree.microbatch import TreeMicroBatch
 
 _CHUNK_ELEMENTS = 1 << 26
-"""Default chunk budget: 2^26 fp32 values (256 MiB) per chunk."""
+"""Default chunk budget off CUDA: 2^26 values (256 MiB per fp32 temporary) per chunk."""
+_CHUNK_ELEMENTS_CUDA = 1 << 28
+"""Default chunk budget on CUDA, where each chunk is one compiled kernel with no temporary."""
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
@@ -87,20 +89,20 @@ def _grad_values(
     return -(torch.special.xlogy(p, p) * coef_entropy + p * (coef + coef_entropy * row_entropy)) / temperature
 
 
-def _chunk_grad(
+def _chunk_grad_(
     x: torch.Tensor,
     lse: torch.Tensor,
     coef: torch.Tensor,
     coef_entropy: torch.Tensor | None,
     row_entropy: torch.Tensor | None,
     temperature: float,
-) -> torch.Tensor:
-    """:func:`_grad_values` of one chunk ``x [c, V_l]`` (row terms [c]), in ``x``'s dtype."""
+) -> None:
+    """Overwrite one chunk ``x [c, V_l]`` with its :func:`_grad_values` (row terms [c])."""
 
     def col(v: torch.Tensor | None) -> torch.Tensor | None:
         return None if v is None else v[:, None]
 
-    return _grad_values(x, col(lse), col(coef), col(coef_entropy), col(row_entropy), temperature).to(x.dtype)
+    x.copy_(_grad_values(x, col(lse), col(coef), col(coef_entropy), col(row_entropy), temperature))
 
 
 _compiled: dict = {}
@@ -108,13 +110,19 @@ _compiled: dict = {}
 
 def _kernel(fn, device: torch.device):
     """``fn`` compiled into one fused kernel per chunk on CUDA (one read of the chunk, no fp32
-    copy in memory); eager elsewhere. Shapes: the chunk length varies only in a call's last
-    chunk, which Dynamo's automatic dynamic shapes absorb after one recompile."""
+    copy in memory); eager elsewhere. The chunk length varies only in a call's last chunk,
+    which Dynamo's automatic dynamic shapes absorb after one recompile."""
     if device.type != "cuda":
         return fn
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn)
     return _compiled[fn]
+
+
+def default_chunk_rows(vocab_local: int, device: torch.device) -> int:
+    """Rows per chunk: ~2^28 logits on CUDA (compiled chunks hold no fp32 copy), ~2^26
+    elsewhere (eager chunks make a few fp32 temporaries of that size)."""
+    return max(1, (_CHUNK_ELEMENTS_CUDA if device.type == "cuda" else _CHUNK_ELEMENTS) // vocab_local)
 
 
 def _forward_kernel(
@@ -184,10 +192,10 @@ def _backward_kernel(
 
     lse / row_entropy [R] fp32 from the forward; grad_logprobs / grad_entropy [N] or None
     (an output that did not reach the loss). ``inplace`` writes the gradient over ``logits``
-    (row by row after reading it) and returns ``logits``.
+    (each chunk after reading it) and returns ``logits``; else over a copy of them.
     """
     rows, vocab_local = lse.numel(), logits.shape[1]
-    grad = logits if inplace else torch.empty_like(logits)
+    grad = logits if inplace else logits.clone()  # each chunk is then overwritten in place
     grad[rows:].zero_()
 
     def per_row(values: torch.Tensor | None) -> torch.Tensor:
@@ -207,11 +215,11 @@ def _backward_kernel(
         target_row, target_col = keys // vocab_local, keys % vocab_local
         target_logit = logits[target_row, target_col]
 
-    chunk_grad = _kernel(_chunk_grad, logits.device)
+    chunk_grad_ = _kernel(_chunk_grad_, logits.device)
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
-        grad[start:end] = chunk_grad(
-            logits[start:end], lse[start:end], coef[start:end],
+        chunk_grad_(
+            grad[start:end], lse[start:end], coef[start:end],
             None if coef_entropy is None else coef_entropy[start:end],
             None if row_entropy is None or coef_entropy is None else row_entropy[start:end],
             temperature,
@@ -320,7 +328,8 @@ def vocab_parallel_logprobs(
       temperature: > 0; logits are divided by it.
       with_entropy: also return the entropy of each target's predicting distribution.
       rows:     only rows ``[0, rows)`` are read (default T); later rows (padding) get zero grad.
-      chunk_rows: rows per fp32 work chunk (default: ~2^26 / V_l).
+      chunk_rows: rows per work chunk (default :func:`default_chunk_rows`: ~2^28 / V_l on CUDA,
+                ~2^26 / V_l elsewhere).
       inplace_backward: the backward writes the logits' gradient over ``logits`` (saves a
                 ``[T, V_l]`` buffer). Only when nothing reads ``logits`` after this call's
                 backward (true of :func:`~megatron_tree.schedule.tree_forward_step`), and not
@@ -356,7 +365,7 @@ def vocab_parallel_logprobs(
     rows = num_slots if rows is None else rows
     if not 0 <= rows <= num_slots:
         raise ValueError(f"rows must be in [0, T={num_slots}]; got {rows}.")
-    chunk_rows = max(1, _CHUNK_ELEMENTS // vocab_local) if chunk_rows is None else chunk_rows
+    chunk_rows = default_chunk_rows(vocab_local, logits.device) if chunk_rows is None else chunk_rows
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive int; got {chunk_rows!r}.")
     if not isinstance(inplace_backward, bool):

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from benchmarks.step_profile import OPTIMIZER_REGION, _category, _union_ms, profile_step
+from benchmarks.step_profile import OPTIMIZER_REGION, _category, _gaps, _union_ms, profile_step
 from megatron_tree.logprobs import vocab_parallel_logprobs
 
 
@@ -28,7 +28,24 @@ def test_regions_and_busy_time_on_cpu():
 
 def test_union_and_categories():
     assert _union_ms([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200)]) == 2.5
+    assert _gaps([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200), (4500, 4600)]) == [(1500, 3000), (4000, 4500)]
     assert _category("triton_tem_fused_flex_attention_0") == "attention"
     assert _category("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_NTN") == "gemm"
     assert _category("triton_poi_fused_add_0") == "compiled_other"
     assert _category("elementwise_kernel<128, 4>") == "other"
+
+
+def test_idle_attributed_to_the_host_op_running():
+    from types import SimpleNamespace as NS
+
+    from benchmarks.step_profile import _idle_by_host_op
+    from torch.autograd import DeviceType
+
+    def op(name, start, end, parent=None):
+        return NS(name=name, device_type=DeviceType.CPU, time_range=NS(start=start, end=end), cpu_parent=parent)
+
+    step = op("step", 0, 10_000)
+    events = [step, op("aten::item", 1000, 2000, step), op("optimizer", 5000, 9000, step)]
+    out = _idle_by_host_op(events, [(1200, 1800), (6000, 7000), (12_000, 13_000)])
+    assert out["innermost"] == {"optimizer": 1.0, "<none>": 1.0, "aten::item": 0.6}
+    assert out["outermost"] == {"step": 1.6, "<none>": 1.0}
