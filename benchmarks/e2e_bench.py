@@ -213,9 +213,9 @@ def main():
                   f"optimizer={row['flat']['optimizer_s']*1e3:.0f}/{row['tree']['optimizer_s']*1e3:.0f}ms", flush=True)
             for mode in ("flat", "tree") if args.profile else ():
                 print(f"  {mode} profile: {json.dumps(row[mode]['profile'])}", flush=True)
-    with open(args.out, "w") as f:
-        device = torch.cuda.get_device_name() if cuda else "cpu"
-        json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+            with open(args.out, "w") as f:  # after every workload: a cut-short run keeps its rows
+                device = torch.cuda.get_device_name() if cuda else "cpu"
+                json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
