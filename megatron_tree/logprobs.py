@@ -321,7 +321,7 @@ def vocab_parallel_logprobs(
 
     Args:
       logits:   [T, V_l] float (any float dtype; math in fp32), this rank's vocab shard
-                ``[rank * V_l, (rank + 1) * V_l)``. Not modified.
+                ``[rank * V_l, (rank + 1) * V_l)``. Not modified (but see ``inplace_backward``).
       slots:    [N] int, row of ``logits`` predicting each target, in ``[0, rows)``.
       labels:   [N] int, global vocab id of each target, in ``[0, V_l * tp)``.
       tp_group: tensor-parallel group the vocab is sharded over; ``None`` = one rank (TP 1).
@@ -395,7 +395,8 @@ def gather_tree_logprobs(
 
     Args:
       logits: [1, T, V_l] float, as ``GPTModel`` returns them without labels; this rank's
-              vocab shard over ``tp_group`` (``None`` = TP 1). Not modified.
+              vocab shard over ``tp_group`` (``None`` = TP 1). Not modified (the backward
+              overwrites them with their gradient only under ``inplace_backward``).
       mb:     the micro-batch the logits were computed from (on the logits' device).
       temperature, with_entropy, chunk_rows, inplace_backward: as in :func:`vocab_parallel_logprobs`.
 
