@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_campaign.sh               # on the GPU host, with .whl/ carried
 #
 # MODELS (default "qwen3-0.6b qwen3-moe-2b") picks the e2e models, WORKLOADS (default all three,
-# comma-separated) their workloads; ATTENTION=1 adds the
-# attention microbenchmark. Each e2e run profiles one step per mode (step_profile.py).
+# comma-separated) their workloads, E2E_ARGS more e2e_bench.py flags (e.g. "--recompute full" for
+# qwen3-4b); ATTENTION=1 adds the attention microbenchmark. Each e2e run profiles one step per
+# mode (step_profile.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -17,7 +18,7 @@ if ! python3 -c "import megatron.core, mbridge" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for model in ${MODELS:-qwen3-0.6b qwen3-moe-2b}; do
-  python3 benchmarks/e2e_bench.py --model "$model" --workloads "${WORKLOADS:-grpo,multi_turn,no_sharing}" --out "$OUT/e2e_$model.json" 2>&1 \
+  python3 benchmarks/e2e_bench.py --model "$model" --workloads "${WORKLOADS:-grpo,multi_turn,no_sharing}" ${E2E_ARGS:-} --out "$OUT/e2e_$model.json" 2>&1 \
     | grep -v -i "warn" | tee "$OUT/e2e_$model.log"
 done
 python3 benchmarks/plot_e2e.py "$OUT"/e2e_*.json --out "$OUT/e2e_h200.png"
