@@ -7,7 +7,8 @@ Flat = every sequence its own causal chain, packed several to a micro-batch up t
 ``max_tokens_per_mb`` (block-diagonal causal attention through the same block-sparse
 kernel: a varlen flash-class baseline). Tree = prefix trees. Both run Megatron's
 ``forward_backward_func`` + optimizer step on the same bf16 model. Reported per workload:
-median step time, tokens/s of original tokens, peak memory, token ratio, the FLOP-ideal
+median step time (and the optimizer's share of it), tokens/s of original tokens, peak
+memory, the largest micro-batch, token ratio, the FLOP-ideal
 speedup (FLOPs flat / FLOPs tree, linear layers by tokens and attention by computed
 (query, key) pairs, on the single global trie), the same ratio for the trees as packed
 (shared prefixes of a tree split over micro-batches count once per part), and the achieved
