@@ -14,7 +14,8 @@ speedup (FLOPs flat / FLOPs tree, linear layers by tokens and attention by compu
 (shared prefixes of a tree split over micro-batches count once per part), and the achieved
 fraction of the former; with
 ``--profile`` (default) also one profiled step per mode (``step_profile.py``: kernel time
-by category, the log-prob and optimizer regions, device idle time).
+by category and the top kernels, the log-prob and optimizer regions, device idle time and
+the host ops it falls in).
 """
 
 from __future__ import annotations
