@@ -55,24 +55,17 @@ def _category(kernel_name: str) -> str:
     return "other"
 
 
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    """Total length in ms of the union of ``(start_us, end_us)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total / 1e3
-
-
-def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The ``(start_us, end_us)`` gaps between the union of ``intervals``."""
-    gaps, reach = [], None
+def _busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """One walk over ``(start_us, end_us)`` intervals: the length in ms of their union, and the
+    ``(start_us, end_us)`` gaps between its pieces."""
+    total, reach, gaps = 0.0, None, []
     for start, end in sorted(intervals):
         if reach is not None and start > reach:
             gaps.append((reach, start))
-        reach = end if reach is None else max(reach, end)
-    return gaps
+        if reach is None or end > reach:
+            total += end - (start if reach is None else max(start, reach))
+            reach = end
+    return total / 1e3, gaps
 
 
 def _idle_by_host_op(events, gaps: list[tuple[float, float]], top: int = 6, walk: int = 5000) -> dict:
@@ -129,13 +122,14 @@ def summarize(events, wall_s: float, cuda: bool) -> dict:
             if parent is None:  # outermost match only
                 total += (e.device_time_total if cuda else e.cpu_time_total) / 1e3
         regions[region] = total
+    busy_ms, gaps = _busy_and_gaps(intervals)
     return {
         "wall_ms": wall_s * 1e3,
-        "busy_ms": _union_ms(intervals),
+        "busy_ms": busy_ms,
         "kernels_ms": dict(sorted(kernels.items())),
         "regions_ms": regions,
         "top_kernels": sorted(per_name.values(), key=lambda x: -x[1])[:TOP_KERNELS],
-        "idle_by_host_op": _idle_by_host_op(events, _gaps(intervals)) if cuda else {},
+        "idle_by_host_op": _idle_by_host_op(events, gaps) if cuda else {},
     }
 
 

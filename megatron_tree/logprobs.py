@@ -36,6 +36,7 @@ Layers: ``_forward_kernel`` / ``_backward_kernel`` (flat tensors) -> ``_TreeLogp
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -105,18 +106,16 @@ def _chunk_grad_(
     x.copy_(_grad_values(x, col(lse), col(coef), col(coef_entropy), col(row_entropy), temperature))
 
 
-_compiled: dict = {}
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
 
 
 def _kernel(fn, device: torch.device):
     """``fn`` compiled into one fused kernel per chunk on CUDA (one read of the chunk, no fp32
     copy in memory); eager elsewhere. The chunk length varies only in a call's last chunk,
     which Dynamo's automatic dynamic shapes absorb after one recompile."""
-    if device.type != "cuda":
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn)
-    return _compiled[fn]
+    return _compiled(fn) if device.type == "cuda" else fn
 
 
 def default_chunk_rows(vocab_local: int, device: torch.device) -> int:

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from benchmarks.step_profile import OPTIMIZER_REGION, _category, _gaps, _union_ms, profile_step
+from benchmarks.step_profile import OPTIMIZER_REGION, _busy_and_gaps, _category, profile_step
 from megatron_tree.logprobs import vocab_parallel_logprobs
 
 
@@ -27,8 +27,9 @@ def test_regions_and_busy_time_on_cpu():
 
 
 def test_union_and_categories():
-    assert _union_ms([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200)]) == 2.5
-    assert _gaps([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200), (4500, 4600)]) == [(1500, 3000), (4000, 4500)]
+    assert _busy_and_gaps([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200)])[0] == 2.5
+    assert _busy_and_gaps([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200), (4500, 4600)])[1] == [
+        (1500, 3000), (4000, 4500)]
     assert _category("triton_tem_fused_flex_attention_0") == "attention"
     assert _category("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_NTN") == "gemm"
     assert _category("triton_poi_fused_add_0") == "compiled_other"
