@@ -73,37 +73,24 @@ def _chunk_sums(
     return e.sum(dim=-1), torch.special.xlogy(e, e).sum(dim=-1) if with_entropy else None
 
 
-def _grad_values(
-    x: torch.Tensor,
-    lse: torch.Tensor,
-    coef: torch.Tensor,
-    coef_entropy: torch.Tensor | None,
-    row_entropy: torch.Tensor | None,
-    temperature: float,
-) -> torch.Tensor:
-    """fp32 ``d out / d x`` before the ``+ g_k`` of the targets: ``-p G`` or, with entropy,
-    ``-(p log p GH + p (G + GH H))``, divided by ``temperature``. Row terms broadcast over ``x``."""
-    p = (x.float() / temperature - lse).exp()
-    if coef_entropy is None:
-        return -p * coef / temperature
+def _grad_values(x: torch.Tensor, terms: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 ``d out / d x [c, k]`` before the ``+ g_k`` of the targets: ``-p G`` or, with
+    entropy, ``-(p log p GH + p (G + GH H))``, divided by ``temperature``.
+
+    ``terms [c, 2]`` holds each row's ``(lse, G)``, or ``[c, 4]`` ``(lse, G, GH, H)`` with
+    entropy; they broadcast over the ``k`` columns of ``x``.
+    """
+    p = (x.float() / temperature - terms[:, 0:1]).exp()
+    if terms.shape[1] == 2:
+        return -p * terms[:, 1:2] / temperature
+    coef, coef_entropy, row_entropy = terms[:, 1:2], terms[:, 2:3], terms[:, 3:4]
     # xlogy keeps p = 0 (a -inf logit) at 0, not nan.
     return -(torch.special.xlogy(p, p) * coef_entropy + p * (coef + coef_entropy * row_entropy)) / temperature
 
 
-def _chunk_grad_(
-    x: torch.Tensor,
-    lse: torch.Tensor,
-    coef: torch.Tensor,
-    coef_entropy: torch.Tensor | None,
-    row_entropy: torch.Tensor | None,
-    temperature: float,
-) -> None:
-    """Overwrite one chunk ``x [c, V_l]`` with its :func:`_grad_values` (row terms [c])."""
-
-    def col(v: torch.Tensor | None) -> torch.Tensor | None:
-        return None if v is None else v[:, None]
-
-    x.copy_(_grad_values(x, col(lse), col(coef), col(coef_entropy), col(row_entropy), temperature))
+def _chunk_grad_(x: torch.Tensor, terms: torch.Tensor, temperature: float) -> None:
+    """Overwrite one chunk ``x [c, V_l]`` with its :func:`_grad_values` (``terms [c, 2|4]``)."""
+    x.copy_(_grad_values(x, terms, temperature))
 
 
 @functools.cache
@@ -201,8 +188,11 @@ def _backward_kernel(
         total = torch.zeros(rows, dtype=torch.float32, device=logits.device)
         return total if values is None else total.index_add_(0, slots, values.float())
 
-    coef = per_row(grad_logprobs)  # G [R]
-    coef_entropy = None if grad_entropy is None else per_row(grad_entropy)  # GH [R]
+    # Row terms [R, 2 | 4]: (lse, G) or, with an entropy gradient, (lse, G, GH, H).
+    terms = [lse, per_row(grad_logprobs)]
+    if grad_entropy is not None:
+        terms += [per_row(grad_entropy), row_entropy]
+    terms = torch.stack(terms, dim=1)
     if grad_logprobs is not None:
         # The + g_k at (slot_k, label_k): summed per distinct position of this shard (a shared
         # prefix slot predicts the same label for every sequence through it), read before
@@ -216,20 +206,10 @@ def _backward_kernel(
 
     chunk_grad_ = _kernel(_chunk_grad_, logits.device)
     for start in range(0, rows, chunk_rows):
-        end = min(start + chunk_rows, rows)
-        chunk_grad_(
-            grad[start:end], lse[start:end], coef[start:end],
-            None if coef_entropy is None else coef_entropy[start:end],
-            None if row_entropy is None or coef_entropy is None else row_entropy[start:end],
-            temperature,
-        )  # fmt: skip
+        chunk = slice(start, min(start + chunk_rows, rows))
+        chunk_grad_(grad[chunk], terms[chunk], temperature)
     if grad_logprobs is not None:
-        value = _grad_values(
-            target_logit, lse[target_row], coef[target_row],
-            None if coef_entropy is None else coef_entropy[target_row],
-            None if coef_entropy is None else row_entropy[target_row],
-            temperature,
-        )  # fmt: skip
+        value = _grad_values(target_logit[:, None], terms[target_row], temperature)[:, 0]
         grad[target_row, target_col] = (value + target_grad / temperature).to(grad.dtype)
     return grad
 
