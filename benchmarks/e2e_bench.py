@@ -21,6 +21,7 @@ the host ops it falls in).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -113,7 +114,8 @@ def train_step(model, optimizer, mbs, loss_fn, between=None) -> None:
 def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], list[float], float | None]:
     """Step times (s) after ``warmup`` steps, the optimizer's share of each (s, from a
     synchronised mark after the backward; CUDA only, else 0), and peak GPU memory in GiB
-    (None on CPU)."""
+    (None on CPU). Python's garbage collector runs between steps, not inside them (as
+    Megatron's ``--manual-gc``): a collection inside a host-bound step is noise."""
     times, optimizer_times = [], []
     cuda = torch.cuda.is_available()
     if cuda:
@@ -125,14 +127,19 @@ def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tupl
             torch.cuda.synchronize()
         marks.append(time.perf_counter())
 
-    for i in range(warmup + steps):
-        marks.clear()
-        mark()
-        train_step(model, optimizer, mbs, loss_fn, between=mark if cuda else None)
-        mark()
-        if i >= warmup:
-            times.append(marks[-1] - marks[0])
-            optimizer_times.append(marks[-1] - marks[1] if cuda else 0.0)
+    gc.disable()
+    try:
+        for i in range(warmup + steps):
+            gc.collect()
+            marks.clear()
+            mark()
+            train_step(model, optimizer, mbs, loss_fn, between=mark if cuda else None)
+            mark()
+            if i >= warmup:
+                times.append(marks[-1] - marks[0])
+                optimizer_times.append(marks[-1] - marks[1] if cuda else 0.0)
+    finally:
+        gc.enable()
     return times, optimizer_times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
