@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
+from attention_bench import tree_pairs  # noqa: E402
 from megatron_tree import build_forest, pack_trees  # noqa: E402
 from megatron_tree.run_config import RunConfig  # noqa: E402
 from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch  # noqa: E402
@@ -87,14 +88,10 @@ def flops_per_token_and_pair(cfg) -> tuple[float, float]:
 
 
 def packed_work(mbs) -> tuple[int, float]:
-    """(tokens, (query, key) pairs) the micro-batches really compute: key j is seen by the
-    ``subtree_end[j] - j`` queries ``j .. subtree_end[j] - 1`` (padding slots excluded)."""
-    tokens, pairs = 0, 0.0
-    for mb in mbs:
-        end = mb.attention_mask[0, : mb.num_tokens].double()
-        tokens += mb.num_tokens
-        pairs += float((end - torch.arange(mb.num_tokens, dtype=torch.float64)).sum())
-    return tokens, pairs
+    """(tokens, (query, key) pairs) the micro-batches really compute, padding slots excluded
+    (pairs as :func:`attention_bench.tree_pairs` counts them)."""
+    tokens = sum(mb.num_tokens for mb in mbs)
+    return tokens, float(sum(tree_pairs(mb.attention_mask[0], mb.num_tokens) for mb in mbs))
 
 
 def train_step(model, optimizer, mbs, loss_fn, between=None) -> None:

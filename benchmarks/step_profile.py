@@ -47,12 +47,13 @@ REGIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _matches(name: str, needles: tuple[str, ...]) -> bool:
+    return any(n in name for n in needles)
+
+
 def _category(kernel_name: str) -> str:
     name = kernel_name.lower()
-    for category, needles in KERNEL_CATEGORIES:
-        if any(n in name for n in needles):
-            return category
-    return "other"
+    return next((category for category, needles in KERNEL_CATEGORIES if _matches(name, needles)), "other")
 
 
 def _busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
@@ -91,10 +92,6 @@ def _idle_by_host_op(events, gaps: list[tuple[float, float]], top: int = 6, walk
     return {k: dict(sorted(v.items(), key=lambda x: -x[1])[:top]) for k, v in (("innermost", inner), ("outermost", outer))}
 
 
-def _matches(name: str, needles: tuple[str, ...]) -> bool:
-    return any(n in name for n in needles)
-
-
 def summarize(events, wall_s: float, cuda: bool) -> dict:
     """The breakdown dict (module docstring) of a profiler's ``events()``."""
     kernels: dict[str, float] = {}
@@ -103,7 +100,8 @@ def summarize(events, wall_s: float, cuda: bool) -> dict:
     for e in events:
         if cuda and e.device_type == DeviceType.CUDA:
             duration = e.time_range.elapsed_us()
-            kernels[_category(e.name)] = kernels.get(_category(e.name), 0.0) + duration / 1e3
+            category = _category(e.name)
+            kernels[category] = kernels.get(category, 0.0) + duration / 1e3
             entry = per_name.setdefault(e.name[:80], [e.name[:80], 0.0, 0])
             entry[1] += duration / 1e3
             entry[2] += 1
