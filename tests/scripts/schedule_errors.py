@@ -40,14 +40,12 @@ def main():
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
-    from megatron_tree.bridge import patch_bridge_for_tree_training
     from megatron_tree.schedule import tree_forward_backward
 
     with apply_compat_patches(), cpu_mode():
         init_cpu_distributed(pp=args.pp, vpp=args.vpp)
         path = save_tiny_hf_checkpoint("qwen3", args.ckpt, num_hidden_layers=4)
-        with patch_bridge_for_tree_training():
-            _, model = build_tree_model(path, tree=False)
+        _, model = build_tree_model(path)
         config = get_model_config(model[0])
         rng = np.random.default_rng(0)
         seqs = [rng.integers(0, 100, 20) for _ in range(6)]
