@@ -160,7 +160,7 @@ def main():
     import train_tree
 
     from megatron_tree.testing import cpu_mode
-    from patches import apply_compat_patches
+    from megatron_tree.patches import apply_compat_patches
 
     arch, overrides = MODELS[args.model]
     cfg = RunConfig.from_dict(

@@ -174,7 +174,7 @@ def main(argv=None):
     from megatron.core import parallel_state as ps
 
     from megatron_tree.schedule import tree_forward_backward
-    from patches import apply_compat_patches
+    from megatron_tree.patches import apply_compat_patches
     from megatron_tree.testing import cpu_mode
 
     # cpu_mode is a no-op on GPUs; the compat patches stay open for the whole run because

@@ -38,7 +38,7 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
     Keep it open across ``AutoBridge.from_pretrained(path)`` *and* ``bridge.get_model(...)``
     (mbridge builds the layer spec lazily inside ``get_model``). Inside it:
 
-    - the compatibility patches (:func:`patches.apply_compat_patches`) are active;
+    - the compatibility patches (:func:`megatron_tree.patches.apply_compat_patches`) are active;
     - every decoder block spec a bridge builds goes through :func:`tree_layer_spec`
       (``backend`` names the tree attention backend), which raises for layers it cannot
       convert (MLA, linear or sliding-window attention);
@@ -50,8 +50,8 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
         yield
         return
     get_tree_attention_backend(backend)
-    from patches import apply_compat_patches
-    from patches.mbridge import layer_spec_hook, model_hook
+    from megatron_tree.patches import apply_compat_patches
+    from megatron_tree.patches.mbridge import layer_spec_hook, model_hook
 
     spec_transform = functools.partial(tree_layer_spec, backend=backend)
     with apply_compat_patches(), layer_spec_hook(spec_transform), model_hook(enable_tree_rope):
@@ -87,7 +87,7 @@ def build_tree_model(
       ``finalize_model_grads_func`` is set to megatron-core's ``finalize_model_grads``, as
       Megatron's training loop does.
     """
-    from patches import apply_compat_patches
+    from megatron_tree.patches import apply_compat_patches
 
     path = os.fspath(hf_path)
     with apply_compat_patches(), patch_bridge_for_tree_training(enable=tree, backend=backend):

@@ -5,7 +5,7 @@ megatron-core and mbridge hard-code CUDA (``torch.cuda.current_device()``, CUDA 
 duration of a ``with`` block; on a machine with CUDA it does nothing, so the same test or
 demo code runs unchanged on GPUs. A typical CPU run::
 
-    from patches import apply_compat_patches
+    from megatron_tree.patches import apply_compat_patches
     from megatron_tree.bridge import build_tree_model
     from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
 
@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from patches._attr import AttrPatch, PatchScope
+from megatron_tree.patches._attr import AttrPatch, PatchScope
 
 TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
@@ -101,7 +101,7 @@ def _torch_cpu_patches() -> list[AttrPatch]:
 
 
 def _cpu_shim_patches() -> list[AttrPatch]:
-    from patches.megatron_core import cpu_rng_state
+    from megatron_tree.patches.megatron_core import cpu_rng_state
 
     return _torch_cpu_patches() + cpu_rng_state()
 
@@ -117,7 +117,7 @@ def cpu_mode() -> Iterator[None]:
     ``torch.cuda.get_rng_state / set_rng_state / manual_seed`` (also under
     ``torch.cuda.random``) -> the CPU generator; ``nn.Module.cuda`` and ``Tensor.cuda`` ->
     identity; megatron-core's ``tensor_parallel.random._get_cuda_rng_state /
-    _set_cuda_rng_state`` -> the CPU generator (:func:`patches.megatron_core.cpu_rng_state`);
+    _set_cuda_rng_state`` -> the CPU generator (:func:`megatron_tree.patches.megatron_core.cpu_rng_state`);
     and, through a ``TorchFunctionMode`` active in this thread, CUDA devices in
     ``device=`` keywords and ``Tensor.to(device)`` -> ``"cpu"``. The mode is thread-local:
     code run by other threads inside the block sees no device rewriting.

@@ -1,7 +1,7 @@
 """Compatibility patches: the only code here that touches private internals of mbridge,
 megatron-core or transformers.
 
-One module per upstream library (``patches.mbridge``, ``patches.megatron_core``), one
+One module per upstream library (``megatron_tree.patches.mbridge``, ``megatron_tree.patches.megatron_core``), one
 small function per problem, each saying which versions need it and checking for itself
 whether this process does. Nothing is applied at import: use the context manager ::
 
@@ -32,7 +32,7 @@ def apply_compat_patches() -> Iterator[tuple[AttrPatch, ...]]:
     """Apply the compatibility patches this process needs; revert them when the outermost block exits.
 
     Covers mbridge 0.15.1 on megatron-core >= 0.14, transformers >= 5 and machines without
-    Transformer Engine (see :mod:`patches.mbridge` and :mod:`patches.megatron_core`).
+    Transformer Engine (see :mod:`megatron_tree.patches.mbridge` and :mod:`megatron_tree.patches.megatron_core`).
     Nested and repeated entries share one application. Yields the patches applied.
     """
     with _COMPAT_SCOPE.active() as applied:

@@ -1,8 +1,8 @@
 """Patches and hooks for mbridge internals, one function per problem.
 
-Compatibility pieces (each returns the :class:`~patches._attr.AttrPatch` list its problem
+Compatibility pieces (each returns the :class:`~megatron_tree.patches._attr.AttrPatch` list its problem
 needs in this process, empty when the installed versions do not have it; applied by
-:func:`patches.apply_compat_patches`):
+:func:`megatron_tree.patches.apply_compat_patches`):
 
 - :func:`model_type_encoder_and_decoder` -- megatron-core releases whose ModelType lacks ``encoder_and_decoder``.
 - :func:`hf_rope_theta` -- transformers >= 5 moved ``rope_theta`` into ``rope_parameters``.

@@ -1,8 +1,8 @@
 """Patches for megatron-core internals (``megatron.core``), one function per problem.
 
-Each function returns the :class:`~patches._attr.AttrPatch` list its problem needs in
+Each function returns the :class:`~megatron_tree.patches._attr.AttrPatch` list its problem needs in
 this process (empty when the installed version or hardware does not have the problem);
-nothing is applied here. Entry points: :func:`patches.apply_compat_patches` (compat
+nothing is applied here. Entry points: :func:`megatron_tree.patches.apply_compat_patches` (compat
 pieces) and :func:`megatron_tree.testing.cpu_mode` (the CPU pieces).
 """
 

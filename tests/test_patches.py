@@ -29,10 +29,10 @@ from megatron_tree.testing import (  # noqa: E402
     init_cpu_distributed,
     save_tiny_hf_checkpoint,
 )
-from patches import apply_compat_patches  # noqa: E402
-from patches import mbridge as mbridge_patches  # noqa: E402
-from patches import megatron_core as megatron_core_patches  # noqa: E402
-from patches.mbridge import layer_spec_hook, model_hook  # noqa: E402
+from megatron_tree.patches import apply_compat_patches  # noqa: E402
+from megatron_tree.patches import mbridge as mbridge_patches  # noqa: E402
+from megatron_tree.patches import megatron_core as megatron_core_patches  # noqa: E402
+from megatron_tree.patches.mbridge import layer_spec_hook, model_hook  # noqa: E402
 
 _ABSENT = object()
 PIECES = [
@@ -233,3 +233,16 @@ def test_hooks_reject_bad_transforms(tiny_paths, cpu_dist):
         with pytest.raises(TypeError, match="returned None"):
             with layer_spec_hook(lambda spec: None):
                 bridge.get_model(bf16=False, fp16=False, wrap_with_ddp=False)
+
+
+def test_patches_install_only_under_megatron_tree():
+    """setup.py ships patches/ as megatron_tree.patches (a link), never as a top-level ``patches``."""
+    import pathlib
+
+    from setuptools import find_packages
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    packages = find_packages(str(root), include=["megatron_tree", "megatron_tree.*"])
+    assert "megatron_tree.patches" in packages
+    assert not any(p == "patches" or p.startswith("patches.") for p in packages)
+    assert "find_packages(include=[\"megatron_tree\", \"megatron_tree.*\"])" in (root / "setup.py").read_text()

@@ -27,7 +27,7 @@ from megatron_tree.testing import (  # noqa: E402
     init_cpu_distributed,
     save_tiny_hf_checkpoint,
 )
-from patches import apply_compat_patches  # noqa: E402
+from megatron_tree.patches import apply_compat_patches  # noqa: E402
 
 TOL = 1e-5
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shim is a no-op when CUDA is present")

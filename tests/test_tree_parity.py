@@ -38,7 +38,7 @@ from megatron_tree.testing import (
     init_cpu_distributed,
     save_tiny_hf_checkpoint,
 )
-from patches import apply_compat_patches
+from megatron_tree.patches import apply_compat_patches
 
 LOGPROB_TOL = 1e-5
 GRAD_TOL = 1e-5

@@ -29,7 +29,7 @@ from megatron_tree.testing import (
     init_cpu_distributed,
     save_tiny_hf_checkpoint,
 )
-from patches import apply_compat_patches
+from megatron_tree.patches import apply_compat_patches
 
 TOL = 1e-5
 

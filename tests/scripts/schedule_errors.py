@@ -17,7 +17,7 @@ import numpy as np
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.bridge import build_tree_model
 from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
-from patches import apply_compat_patches
+from megatron_tree.patches import apply_compat_patches
 
 
 def expect(fn, pattern: str) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from patches import apply_compat_patches
+from megatron_tree.patches import apply_compat_patches
 from megatron_tree.losses import sft_loss
 from megatron_tree.packing import build_micro_batch
 from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
