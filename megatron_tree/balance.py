@@ -37,16 +37,22 @@ def balance_across_ranks(
     algorithm: str = "kk",
     attention_weight: float = 1 / (6 * 4096),
 ) -> list[np.ndarray]:
-    """Assign whole prefix groups to ``world_size`` ranks with balanced tree cost.
+    """Split a batch over ``world_size`` ranks with balanced tree cost, keeping prefix groups whole
+    unless splitting one lowers the busiest rank's cost.
 
     sequences  list of 1-D sequences, or padded ``input_ids`` [B, S] with ``attention_mask``.
     algorithm  "kk" (Karmarkar–Karp), "ffd" (decreasing, least-loaded rank first), or
                "round_robin" (sequence i to rank i % world_size: the tree-blind baseline).
 
     Returns one int64 index array per rank (ascending input indices); index any
-    per-sequence data (rewards, advantages, old log-probs) with it. A prefix group is split
-    only when its tokens exceed a rank's fair share (total unique tokens / world_size), and
-    then at subtree boundaries, each piece carrying a copy of the shared path.
+    per-sequence data (rewards, advantages, old log-probs) with it. An empty batch gives
+    ``world_size`` empty arrays (as :func:`~megatron_tree.packing.pack_trees` accepts one).
+
+    Prefix groups (root trees) stay whole unless splitting lowers the largest rank's cost:
+    the groups larger than a fair share (total unique tokens / world_size) are candidates,
+    split at subtree boundaries, each piece carrying a copy of the shared path. The plans
+    that split the 0, 1, 2, ... largest candidates are placed and the one whose busiest
+    rank costs least wins (ties: fewer splits).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -54,15 +60,37 @@ def balance_across_ranks(
         raise ValueError(f"algorithm must be one of {BALANCE_ALGORITHMS}, got {algorithm!r}")
     if attention_weight < 0:
         raise ValueError(f"attention_weight must be >= 0, got {attention_weight}")
+    if not len(sequences):
+        return [np.zeros(0, np.int64) for _ in range(world_size)]
     seqs = as_sequences(sequences, attention_mask)
     if algorithm == "round_robin":
         return [np.arange(r, len(seqs), world_size, dtype=np.int64) for r in range(world_size)]
     forest = build_forest(seqs)
-    fair = -(-forest.num_tokens // world_size)
-    items, _ = plan_items(forest, max(fair, int(forest.seq_len.max())))
-    costs = [tree_cost(build_forest([seqs[i] for i in it.tolist()]), attention_weight) for it in items]
-    bins = assign_bins(costs, world_size, float("inf"), algorithm)
-    return [np.sort(np.concatenate([items[i] for i in b])) if b else np.zeros(0, np.int64) for b in bins]
+    fair = max(-(-forest.num_tokens // world_size), int(forest.seq_len.max()))
+    groups, sizes = plan_items(forest, forest.num_tokens)  # capacity of everything: one item per root tree
+
+    def cost(idx: np.ndarray) -> float:
+        return tree_cost(build_forest([seqs[i] for i in idx.tolist()]), attention_weight)
+
+    parts = [[g] for g in groups]  # each root tree's items: the whole tree, or its pieces once split
+    part_costs = [[cost(g)] for g in groups]
+
+    def place() -> tuple[float, list[np.ndarray]]:
+        """(cost of the busiest rank, each rank's sequence indices) for the current parts."""
+        items = [it for p in parts for it in p]
+        bins = assign_bins([c for p in part_costs for c in p], world_size, float("inf"), algorithm)
+        share = [np.sort(np.concatenate([items[i] for i in b])) if b else np.zeros(0, np.int64) for b in bins]
+        return max(cost(idx) for idx in share if len(idx)), share
+
+    best = place()
+    for g in sorted((g for g, size in enumerate(sizes) if size > fair), key=lambda g: -sizes[g]):
+        pieces, _ = plan_items(build_forest([seqs[i] for i in groups[g].tolist()]), fair)
+        parts[g] = [groups[g][p] for p in pieces]
+        part_costs[g] = [cost(it) for it in parts[g]]
+        trial = place()
+        if trial[0] < best[0]:
+            best = trial
+    return best[1]
 
 
 def rank_costs(
