@@ -6,7 +6,7 @@
         bridge = AutoBridge.from_pretrained(hf_path)
         model = bridge.get_model(...)          # layer spec and RoPE are swapped in here
         bridge.load_weights(model, hf_path)
-    # the model keeps tree attention and per-token RoPE; nothing stays patched.
+    # the model keeps tree attention and per-token RoPE; bridge.load/export/save_weights work any time.
 
 :func:`build_tree_model` does those three calls with the ``TransformerConfig`` overrides a
 tree-training run needs on this machine. Without mbridge, on plain megatron-core: build
@@ -44,7 +44,9 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
       convert (MLA, linear or sliding-window attention);
     - every model chunk ``get_model`` returns goes through :func:`enable_tree_rope`.
 
-    Everything is reverted on exit; the models built inside keep their tree attention and RoPE.
+    Class-level changes are reverted on exit. The models built inside keep their tree
+    attention and RoPE, and their bridges can load, export and save weights at any time
+    after it (see :mod:`megatron_tree.patches.mbridge`); MoE runs without a block open.
     """
     if not enable:
         yield

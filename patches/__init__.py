@@ -19,9 +19,9 @@ from ._attr import AttrPatch, PatchScope
 
 
 def _compat_patches() -> list[AttrPatch]:
-    from . import mbridge, megatron_core
+    from . import mbridge
 
-    return mbridge.compat_patches() + megatron_core.compat_patches()
+    return mbridge.compat_patches()
 
 
 _COMPAT_SCOPE = PatchScope(_compat_patches)
@@ -33,8 +33,17 @@ def apply_compat_patches() -> Iterator[tuple[AttrPatch, ...]]:
 
     Covers mbridge 0.15.1 on megatron-core >= 0.14, transformers >= 5 and machines without
     Transformer Engine (see :mod:`megatron_tree.patches.mbridge` and :mod:`megatron_tree.patches.megatron_core`).
-    Nested and repeated entries share one application. Yields the patches applied.
+    Nested and repeated entries share one application. Yields the patches applied (and reverted).
+
+    Not reverted: fixes of upstream bugs (``megatron_core.lasting_fixes``: the missing
+    ``te_general_gemm`` of megatron-core 0.16 without TE), applied at the first entry, and
+    what a bridge built inside needs for its life, stored on that bridge (see
+    :mod:`megatron_tree.patches.mbridge`).
     """
+    from . import megatron_core
+
+    for fix in megatron_core.lasting_fixes():
+        fix.apply()
     with _COMPAT_SCOPE.active() as applied:
         yield applied
 

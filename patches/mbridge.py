@@ -10,6 +10,11 @@ needs in this process, empty when the installed versions do not have it; applied
 - :func:`local_spec_weight_names` -- map the local spec's parameter names to HF names.
 - :func:`qwen_moe_norm_topk_prob` -- follow the HF config's ``norm_topk_prob`` in the router.
 
+The class-level swaps last only while the block is open. What a bridge built inside it needs
+later is stored on that bridge and stays for its whole life: the local-spec weight-name
+mapping (bound on the instance by ``get_model``), a Qwen-MoE bridge's ``_build_config``, and
+the ``rope_theta`` written onto its HF config.
+
 Hooks for code that swaps parts of the model (context managers, reverted on exit,
 nestable, entering one with a transform that is already active is a no-op):
 
@@ -163,39 +168,51 @@ def _local_name_to_te_name(bridge: Any, name: str, consider_ep: bool) -> str:
     return f"{name[: match.start()]}.mlp.experts.{match.group(2)}.weight{expert}"
 
 
-def local_spec_weight_names() -> list[AttrPatch]:
-    """Map local-spec parameter names onto the names mbridge's weight tables know.
-
-    Needed by mbridge 0.15.1 whenever the local (non-TE) spec is used (see
-    :func:`local_layer_spec`): its tables only know TE-spec names, so
-    ``bridge.load_weights`` / ``export_weights`` raise ``NotImplementedError`` on
-    ``input_layernorm``, ``pre_mlp_layernorm`` (dense models) and
-    ``mlp.experts.local_experts.I.linear_fc{1,2}`` (MoE ``SequentialMLP``). Wraps
-    ``Bridge._weight_name_mapping_mcore_local_to_global`` so the "global" names it returns
-    are TE-spec names (:func:`_local_name_to_te_name`); expert ids become global under
-    expert parallel, as mbridge does for TE's grouped experts. Local experts are loaded
-    through the tensor-parallel path (fine at expert-tensor-parallel size = TP size, the
-    megatron default). No-op when megatron-core imported TE.
-    """
-    from mbridge.core.bridge import Bridge
-
-    if _have_transformer_engine():
-        return []
-    original = Bridge._weight_name_mapping_mcore_local_to_global
+def _bind_local_spec_weight_names(bridge: Any) -> None:
+    """Give ``bridge`` (the instance, for its whole life) a ``_weight_name_mapping_mcore_local_to_global``
+    whose "global" names are TE-spec names (:func:`_local_name_to_te_name`); no-op if it has one."""
+    if "_weight_name_mapping_mcore_local_to_global" in vars(bridge):
+        return
+    original = type(bridge)._weight_name_mapping_mcore_local_to_global
 
     @functools.wraps(original)
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep=True):
         mapping = original(self, model, consider_ep=consider_ep)
         return {local: _local_name_to_te_name(self, name, consider_ep) for local, name in mapping.items()}
 
-    return [
-        AttrPatch(
-            Bridge,
-            "_weight_name_mapping_mcore_local_to_global",
-            _weight_name_mapping_mcore_local_to_global,
-            "no Transformer Engine: local-spec weight names",
-        )
-    ]
+    bridge._weight_name_mapping_mcore_local_to_global = types.MethodType(
+        _weight_name_mapping_mcore_local_to_global, bridge
+    )
+
+
+def local_spec_weight_names() -> list[AttrPatch]:
+    """Map local-spec parameter names onto the names mbridge's weight tables know, for the bridge's whole life.
+
+    Needed by mbridge 0.15.1 whenever the local (non-TE) spec is used (see
+    :func:`local_layer_spec`): its tables only know TE-spec names, so
+    ``bridge.load_weights`` / ``export_weights`` / ``save_weights`` raise ``NotImplementedError`` on
+    ``input_layernorm``, ``pre_mlp_layernorm`` (dense models) and
+    ``mlp.experts.local_experts.I.linear_fc{1,2}`` (MoE ``SequentialMLP``). Wraps
+    ``Bridge.get_model`` inside the block: a bridge that builds a model there gets, on the
+    instance and never reverted, a ``_weight_name_mapping_mcore_local_to_global`` whose
+    "global" names are TE-spec names (:func:`_local_name_to_te_name`), so its weights load,
+    export and save at any time after the block. Expert ids become global under expert
+    parallel, as mbridge does for TE's grouped experts. Local experts are loaded through
+    the tensor-parallel path (fine at expert-tensor-parallel size = TP size, the megatron
+    default). The ``Bridge`` class is left as it was. No-op when megatron-core imported TE.
+    """
+    from mbridge.core.bridge import Bridge
+
+    if _have_transformer_engine():
+        return []
+    original = Bridge.get_model
+
+    @functools.wraps(original)
+    def get_model(self, *args, **kwargs):
+        _bind_local_spec_weight_names(self)
+        return original(self, *args, **kwargs)
+
+    return [AttrPatch(Bridge, "get_model", get_model, "no Transformer Engine: local-spec weight names")]
 
 
 def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
@@ -208,7 +225,8 @@ def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
     Qwen3-MoE checkpoint with ``norm_topk_prob=False`` then gives logits off by ~0.3 on a
     tiny model. Wraps both bridges' ``_build_config`` to set
     ``moe_router_pre_softmax = not norm_topk_prob`` unless the caller set it through
-    ``bridge.set_extra_args``.
+    ``bridge.set_extra_args``. A bridge built inside the block keeps the wrapped
+    ``_build_config`` on the instance, so a later ``set_extra_args`` keeps the fix.
     """
     from mbridge.models.qwen2moe import Qwen2MoEBridge
     from mbridge.models.qwen3moe import Qwen3MoEBridge
@@ -216,6 +234,8 @@ def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
     def wrap(original):
         @functools.wraps(original)
         def _build_config(self):
+            if "_build_config" not in vars(self):
+                self._build_config = types.MethodType(_build_config, self)
             config = original(self)
             pre_softmax = not getattr(self.hf_config, "norm_topk_prob", not config.moe_router_pre_softmax)
             if "moe_router_pre_softmax" in self.extra_args or config.moe_router_pre_softmax == pre_softmax:

@@ -2,8 +2,8 @@
 
 Each function returns the :class:`~megatron_tree.patches._attr.AttrPatch` list its problem needs in
 this process (empty when the installed version or hardware does not have the problem);
-nothing is applied here. Entry points: :func:`megatron_tree.patches.apply_compat_patches` (compat
-pieces) and :func:`megatron_tree.testing.cpu_mode` (the CPU pieces).
+nothing is applied here. Entry points: :func:`megatron_tree.patches.apply_compat_patches` (the
+lasting fixes) and :func:`megatron_tree.testing.cpu_mode` (the CPU pieces).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def cpu_rng_state() -> list[AttrPatch]:
     ]
 
 
-def compat_patches() -> list[AttrPatch]:
-    """The megatron-core compatibility patches this process needs (see each function)."""
+def lasting_fixes() -> list[AttrPatch]:
+    """Fixes of upstream bugs (a missing name) that this process needs and models rely on for
+    their whole life: :func:`megatron_tree.patches.apply_compat_patches` applies them once and
+    never reverts them."""
     return moe_te_general_gemm()

@@ -1,5 +1,7 @@
 """patches/: each compatibility piece and hook applies, nests and reverts exactly; the local-spec
-weight names round-trip through mbridge (load is covered by tests/test_testing_cpu.py, export here)."""
+weight names round-trip through mbridge (load is covered by tests/test_testing_cpu.py, export here);
+what a bridge built inside the block needs stays with it after the block (load, export, save,
+MoE forward and backward with no block open)."""
 
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ from megatron_tree.patches import apply_compat_patches  # noqa: E402
 from megatron_tree.patches import mbridge as mbridge_patches  # noqa: E402
 from megatron_tree.patches import megatron_core as megatron_core_patches  # noqa: E402
 from megatron_tree.patches.mbridge import layer_spec_hook, model_hook  # noqa: E402
+from scripts.parity_common import branching_forest, hf_logprobs, max_diff, micro_batches, tree_logprobs  # noqa: E402
 
 _ABSENT = object()
+_MBRIDGE_MAPPING = Bridge._weight_name_mapping_mcore_local_to_global  # as imported, before any block
 PIECES = [
     mbridge_patches.model_type_encoder_and_decoder,
     mbridge_patches.hf_rope_theta,
@@ -85,32 +89,34 @@ def test_apply_compat_patches_is_nested_safe_and_reverts():
         (Bridge, "__init__"): Bridge.__init__,
         (Bridge, "_weight_name_mapping_mcore_local_to_global"): Bridge._weight_name_mapping_mcore_local_to_global,
         (llm_bridge, "get_gpt_decoder_block_spec"): llm_bridge.get_gpt_decoder_block_spec,
+        (Bridge, "get_model"): Bridge.get_model,
         (util, "ModelType"): util.ModelType,
     }
-    had_gemm = hasattr(moe_utils, "te_general_gemm")
     with apply_compat_patches() as applied:
-        names = {(p.owner, p.name) for p in applied}
         with apply_compat_patches() as inner:
             assert inner == applied
         for p in applied:  # still applied after the inner block
             assert getattr(p.owner, p.name) is p.new
-        if not had_gemm:
-            assert (moe_utils, "te_general_gemm") in names and moe_utils.te_general_gemm is None
+        assert hasattr(moe_utils, "te_general_gemm")
     for (owner, name), original in originals.items():
         assert getattr(owner, name) is original, name
-    assert hasattr(moe_utils, "te_general_gemm") == had_gemm
+    assert hasattr(moe_utils, "te_general_gemm")  # an upstream fix (a missing name) stays applied
+
+
+class _Frozen:
+    def __setattr__(self, name, value):
+        raise RuntimeError("boom")
 
 
 def test_patch_failure_during_apply_reverts_what_was_applied(monkeypatch):
-    def broken():
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(megatron_core_patches, "compat_patches", broken)
-    before = Bridge._weight_name_mapping_mcore_local_to_global
+    real = mbridge_patches.compat_patches
+    # the last patch cannot apply: the ones applied before it must be reverted
+    monkeypatch.setattr(mbridge_patches, "compat_patches", lambda: real() + [mbridge_patches.AttrPatch(_Frozen(), "x", 0)])
+    before = Bridge.get_model, llm_bridge.get_gpt_decoder_block_spec
     with pytest.raises(RuntimeError, match="boom"):
         with apply_compat_patches():
             pass
-    assert Bridge._weight_name_mapping_mcore_local_to_global is before
+    assert (Bridge.get_model, llm_bridge.get_gpt_decoder_block_spec) == before
 
 
 def test_model_type_patch_only_where_the_member_is_missing(monkeypatch):
@@ -246,3 +252,44 @@ def test_patches_install_only_under_megatron_tree():
     assert "megatron_tree.patches" in packages
     assert not any(p == "patches" or p.startswith("patches.") for p in packages)
     assert "find_packages(include=[\"megatron_tree\", \"megatron_tree.*\"])" in (root / "setup.py").read_text()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_bridge_built_in_the_block_loads_exports_and_saves_after_it(arch, tiny_paths, cpu_dist, tmp_path):
+    hf = load_file(f"{tiny_paths[arch]}/model.safetensors")
+    with cpu_mode():
+        bridge, chunks = build_tree_model(tiny_paths[arch])  # opens and closes patch_bridge_for_tree_training
+    assert Bridge._weight_name_mapping_mcore_local_to_global is _MBRIDGE_MAPPING  # the class is mbridge's again
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.zero_()
+    bridge.load_weights(chunks, tiny_paths[arch])
+    exported = dict(bridge.export_weights(chunks))
+    bridge.save_weights(chunks, tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    for got in (exported, saved):
+        assert sorted(got) == sorted(hf)
+        for key, value in hf.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_norm_topk_prob_fix_outlives_the_block(tmp_path, cpu_dist):
+    path = save_tiny_hf_checkpoint("qwen3_moe", tmp_path, norm_topk_prob=False)
+    with apply_compat_patches():
+        bridge = AutoBridge.from_pretrained(path)
+    bridge.set_extra_args(attention_dropout=0.0)  # rebuilds bridge.config after the block
+    assert bridge.config.moe_router_pre_softmax
+
+
+def test_moe_forward_and_backward_with_no_block_open(tiny_paths, cpu_dist, monkeypatch):
+    if getattr(moe_utils, "te_general_gemm", _ABSENT) is None:  # our fix, from an earlier block: undo it here
+        monkeypatch.delattr(moe_utils, "te_general_gemm")
+    seqs = branching_forest()
+    with cpu_mode():
+        _, chunks = build_tree_model(tiny_paths["qwen3_moe"])
+        model = chunks[0].train()
+        logprobs = tree_logprobs(model, micro_batches(seqs))
+        sum(lp.sum() for lp in logprobs.values()).backward()
+    assert max_diff(logprobs, hf_logprobs(tiny_paths["qwen3_moe"], seqs)) < 1e-5
+    router = model.decoder.layers[0].mlp.router.weight.grad
+    assert router is not None and torch.isfinite(router).all() and router.abs().max() > 0
