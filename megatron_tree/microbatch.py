@@ -35,6 +35,11 @@ class TreeMicroBatch:
       logprob_slots  LongTensor  [N]     slot whose logits predict each target (a node with several
                                          children predicts a different token for each child).
       logprob_labels LongTensor  [N]     the target token ``s[t+1]`` predicted at depth ``t``.
+      multiplicity   LongTensor  [1, T]  how many held sequences pass through each slot (the original
+                                         tokens it stands for; 0 for padding). Weighs MoE router statistics.
+      last_slots     LongTensor  [n]     slot of each held sequence's last token, in output order: the
+                                         sequence is the root path to it (slot j is on it iff
+                                         ``j <= last_slots[k] < attention_mask[0, j]``).
 
     Host-side ints (never need a device sync):
       sequence_ids   list[int]   input sequences held here, in output order (the order of cu_seqlens).
@@ -48,6 +53,8 @@ class TreeMicroBatch:
     cu_seqlens: torch.Tensor
     logprob_slots: torch.Tensor
     logprob_labels: torch.Tensor
+    multiplicity: torch.Tensor
+    last_slots: torch.Tensor
     sequence_ids: list[int]
     seq_lens: list[int]
     num_tokens: int
@@ -78,6 +85,7 @@ class TreeMicroBatch:
             attention_mask=torch.cat(
                 [self.attention_mask, torch.arange(t + 1, length + 1, dtype=torch.int32, device=dev)[None]], 1
             ),
+            multiplicity=torch.cat([self.multiplicity, self.multiplicity.new_zeros((1, extra))], 1),
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "TreeMicroBatch":
@@ -90,6 +98,8 @@ class TreeMicroBatch:
             cu_seqlens=move(self.cu_seqlens),
             logprob_slots=move(self.logprob_slots),
             logprob_labels=move(self.logprob_labels),
+            multiplicity=move(self.multiplicity),
+            last_slots=move(self.last_slots),
             sequence_ids=self.sequence_ids,
             seq_lens=self.seq_lens,
             num_tokens=self.num_tokens,

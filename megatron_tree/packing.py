@@ -301,17 +301,19 @@ def build_micro_batch(
         not_last = np.ones(paths.shape[0], bool)
         not_last[last] = False
         slots = paths[not_last]
+        last_slots = paths[last]
         labels = np.concatenate([seqs[i][1:] for i in ids])
         tokens, depth, end = forest.tokens, forest.depth, forest.subtree_end
     else:
         lens = np.zeros(0, np.int64)
-        slots = labels = tokens = depth = end = np.zeros(0, np.int64)
+        paths = slots = last_slots = labels = tokens = depth = end = np.zeros(0, np.int64)
     t_real = tokens.shape[0]
     t = max(-(-max(t_real, 1) // pad_to_multiple_of) * pad_to_multiple_of, 1)
     pad = t - t_real
     input_ids = np.concatenate([tokens, np.full(pad, pad_token_id, np.int64)])
     position_ids = np.concatenate([depth, np.zeros(pad, np.int64)])
     subtree_end = np.concatenate([end, np.arange(t_real + 1, t + 1, dtype=np.int64)])
+    multiplicity = np.bincount(paths, minlength=t)  # sequences through each slot; 0 on padding
     cu = np.zeros(len(ids) + 1, np.int64)
     np.cumsum(lens - 1, out=cu[1:])
     return TreeMicroBatch(
@@ -321,6 +323,8 @@ def build_micro_batch(
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         logprob_slots=torch.from_numpy(slots),
         logprob_labels=torch.from_numpy(labels),
+        multiplicity=torch.from_numpy(multiplicity)[None],
+        last_slots=torch.from_numpy(last_slots),
         sequence_ids=list(ids),
         seq_lens=lens.tolist(),
         num_tokens=t_real,
