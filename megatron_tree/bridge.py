@@ -97,7 +97,10 @@ def build_tree_model(
 
         bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
         moe = bridge.config.num_moe_experts is not None
-        bridge.set_extra_args(**tree_training_overrides(moe=moe, recompute=recompute), **(extra_args or {}))
+        overrides = tree_training_overrides(
+            moe=moe, recompute=recompute, wrap_with_ddp=get_model_kwargs.get("wrap_with_ddp", False)
+        )
+        bridge.set_extra_args(**{**overrides, **(extra_args or {})})
         chunks = bridge.get_model(bf16=bf16, fp16=False, **get_model_kwargs)
         if load_weights:
             bridge.load_weights(chunks, path)

@@ -8,12 +8,27 @@ combines them for a run; :func:`megatron_tree.bridge.build_tree_model` applies i
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 
-__all__ = ["cpu_transformer_overrides", "local_spec_overrides", "recompute_overrides", "tree_training_overrides"]
+__all__ = [
+    "cpu_transformer_overrides",
+    "have_transformer_engine",
+    "local_spec_overrides",
+    "recompute_overrides",
+    "te_overrides",
+    "tree_training_overrides",
+]
+
+
+def have_transformer_engine() -> bool:
+    """Whether megatron-core imported Transformer Engine: its own ``gpt_layer_specs.HAVE_TE``,
+    the flag that decides between the TE and the local spec here, in mbridge and in
+    :mod:`megatron_tree.patches`."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE)
 
 
 def local_spec_overrides() -> dict[str, Any]:
@@ -21,11 +36,37 @@ def local_spec_overrides() -> dict[str, Any]:
 
     Its torch norms refuse ``persist_layer_norm`` and sequence parallel, and gradient-
     accumulation fusion needs apex or TE; mbridge turns these on by default (sequence
-    parallel whenever TP > 1). Empty when Transformer Engine is installed.
+    parallel whenever TP > 1).
     """
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return {}
     return {"persist_layer_norm": False, "sequence_parallel": False, "gradient_accumulation_fusion": False}
+
+
+def te_overrides(*, moe: bool, wrap_with_ddp: bool) -> dict[str, Any]:
+    """``TransformerConfig`` overrides for the Transformer Engine spec on GPUs: the fused paths
+    Megatron's training scripts turn on by default.
+
+    Fused RoPE (TE's sbhd kernel takes the per-token table tree RoPE gathers, batch 1),
+    bias-activation and bias-dropout fusion, gradient-accumulation fusion when the model is
+    wrapped in Megatron's DDP (it writes into ``param.main_grad``, which only DDP allocates);
+    for MoE TE's grouped-GEMM experts (``TEGroupedMLP``, whose weights mbridge maps), the
+    all-to-all dispatcher with fused permutation and variable micro-batch lengths. mbridge
+    keeps sequence parallel on whenever TP > 1; the schedule pads micro-batches to a multiple
+    of TP for it.
+    """
+    extra: dict[str, Any] = dict(
+        apply_rope_fusion=True,
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        gradient_accumulation_fusion=wrap_with_ddp,
+    )
+    if moe:
+        extra.update(
+            moe_grouped_gemm=True,
+            moe_token_dispatcher_type="alltoall",
+            moe_permute_fusion=True,
+            variable_seq_lengths=True,
+        )
+    return extra
 
 
 def recompute_overrides(mode: str) -> dict[str, Any]:
@@ -41,16 +82,21 @@ def recompute_overrides(mode: str) -> dict[str, Any]:
     return dict(modes[mode])
 
 
-def tree_training_overrides(*, moe: bool, recompute: str = "none") -> dict[str, Any]:
+def tree_training_overrides(*, moe: bool, recompute: str = "none", wrap_with_ddp: bool = False) -> dict[str, Any]:
     """``TransformerConfig`` overrides of a tree-training run built by mbridge on this machine.
 
-    ``calculate_per_token_loss=True`` (tree and flat steps then normalise alike), the CPU
-    overrides without CUDA, else the local-spec ones, and on GPUs MoE with the all-to-all
-    dispatcher (variable micro-batch lengths), plus :func:`recompute_overrides`.
+    ``calculate_per_token_loss=True`` (tree and flat steps then normalise alike); without CUDA
+    :func:`cpu_transformer_overrides`; on GPUs with Transformer Engine :func:`te_overrides`,
+    without it :func:`local_spec_overrides` and MoE with the all-to-all dispatcher (variable
+    micro-batch lengths, per-expert MLPs: megatron-core >= 0.17 has no non-TE grouped MLP);
+    plus :func:`recompute_overrides`. ``wrap_with_ddp``: the model will be wrapped in
+    Megatron's DDP (allows gradient-accumulation fusion under TE).
     """
     extra: dict[str, Any] = dict(calculate_per_token_loss=True)
     if not torch.cuda.is_available():
         extra.update(cpu_transformer_overrides(moe=moe))
+    elif have_transformer_engine():
+        extra.update(te_overrides(moe=moe, wrap_with_ddp=wrap_with_ddp))
     else:
         extra.update(local_spec_overrides())
         if moe:

@@ -33,18 +33,25 @@ from megatron.core.utils import get_model_config
 
 from megatron_tree.logprobs import gather_tree_logprobs
 from megatron_tree.microbatch import TreeMicroBatch
+from megatron_tree.model_check import check_tree_model
 
 LossFn = Callable[[torch.Tensor, TreeMicroBatch], tuple[torch.Tensor, torch.Tensor | int]]
 """``loss_fn(logprobs [N] fp32, mb) -> (loss_sum scalar, count)``; see the module docstring."""
 
 
 def tree_data_iterators(
-    mbs: Sequence[TreeMicroBatch], num_model_chunks: int = 1, *, device: torch.device | str, pad_to: int | None = None
+    mbs: Sequence[TreeMicroBatch],
+    num_model_chunks: int = 1,
+    *,
+    device: torch.device | str,
+    pad_to: int | None = None,
+    pad_multiple: int = 1,
 ) -> Iterator[TreeMicroBatch] | list[Iterator[TreeMicroBatch]]:
     """Data iterator(s) for ``forward_backward_func``: one over ``mbs`` per model chunk
     (a plain iterator when there is one chunk). ``pad_to`` pads every micro-batch to that
-    many slots (fixed-length schedules)."""
-    moved = [(mb.padded_to(pad_to) if pad_to else mb).to(device) for mb in mbs]
+    many slots (fixed-length schedules); otherwise each is padded to a multiple of
+    ``pad_multiple`` slots (sequence parallel splits the slots over TP ranks)."""
+    moved = [mb.padded_to(pad_to or -(-mb.num_slots // pad_multiple) * pad_multiple).to(device) for mb in mbs]
     its = [iter(moved) for _ in range(num_model_chunks)]
     return its[0] if num_model_chunks == 1 else its
 
@@ -55,39 +62,47 @@ def tree_forward_step(
     """A ``forward_step_func`` for megatron-core schedules over :class:`TreeMicroBatch` items.
 
     The model must be built with tree attention and per-token RoPE (see
-    ``patch_bridge_for_tree_training`` / ``tree_layer_spec`` + ``enable_tree_rope``).
+    ``patch_bridge_for_tree_training`` / ``tree_layer_spec`` + ``enable_tree_rope``);
+    :func:`~megatron_tree.model_check.check_tree_model` refuses any other.
     Its loss function returns Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``.
     """
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        check_tree_model(model)  # walks each chunk once
         output = model(mb.input_ids, mb.position_ids, mb.attention_mask)
-
-        def loss_func(logits: torch.Tensor):
-            # The logits feed nothing else: their memory takes their gradient in the backward.
-            logprobs = gather_tree_logprobs(
-                logits, mb, tp_group=tp_group, temperature=temperature, inplace_backward=True
-            )
-            result = loss_fn(logprobs, mb)
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise ValueError(
-                    f"loss_fn must return (loss_sum, count), got {type(result).__name__}"
-                    f"{'' if not isinstance(result, tuple) else f' of length {len(result)}'}"
-                )
-            loss, count = result
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(
-                    f"loss_fn's loss_sum must be a scalar tensor (a sum over the batch's tokens or "
-                    f"sequences), got shape {tuple(getattr(loss, 'shape', ()))}"
-                )
-            count = torch.as_tensor(count, dtype=torch.int, device=loss.device).reshape(())
-            loss = loss.reshape(())
-            report = torch.stack([loss.detach().float(), count.float()])
-            return loss, count, {"loss": report}
-
-        return output, loss_func
+        return output, tree_loss_func(loss_fn, mb, tp_group=tp_group, temperature=temperature)
 
     return forward_step
+
+
+def tree_loss_func(
+    loss_fn: LossFn, mb: TreeMicroBatch, *, tp_group: torch.distributed.ProcessGroup | None, temperature: float
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]:
+    """The ``loss_func`` a forward step returns for ``mb``: logits ``[b, T, V/tp]`` -> Megatron's
+    triple ``(loss_sum, count, {"loss": [loss_sum, count]})`` from ``loss_fn(logprobs, mb)``."""
+
+    def loss_func(logits: torch.Tensor):
+        # The logits feed nothing else: their memory takes their gradient in the backward.
+        logprobs = gather_tree_logprobs(logits, mb, tp_group=tp_group, temperature=temperature, inplace_backward=True)
+        result = loss_fn(logprobs, mb)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ValueError(
+                f"loss_fn must return (loss_sum, count), got {type(result).__name__}"
+                f"{'' if not isinstance(result, tuple) else f' of length {len(result)}'}"
+            )
+        loss, count = result
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"loss_fn's loss_sum must be a scalar tensor (a sum over the batch's tokens or "
+                f"sequences), got shape {tuple(getattr(loss, 'shape', ()))}"
+            )
+        count = torch.as_tensor(count, dtype=torch.int, device=loss.device).reshape(())
+        loss = loss.reshape(())
+        report = torch.stack([loss.detach().float(), count.float()])
+        return loss, count, {"loss": report}
+
+    return loss_func
 
 
 def tree_forward_backward(
@@ -102,14 +117,17 @@ def tree_forward_backward(
     """Run one step of ``mbs`` through ``get_forward_backward_func()``; returns Megatron's
     per-micro-batch loss dicts (on the last pipeline stage; empty elsewhere).
 
-    Validates what the schedule needs: ``calculate_per_token_loss``, no context parallel,
-    a micro-batch count that interleaved PP accepts. With pipeline parallel, or MoE over
+    Validates what the schedule needs: a tree model (tree attention and per-token RoPE in
+    every chunk, :func:`~megatron_tree.model_check.check_tree_model`),
+    ``calculate_per_token_loss``, no context parallel, a micro-batch count that interleaved
+    PP accepts. With pipeline parallel, or MoE over
     expert-parallel ranks, and ``variable_seq_lengths`` off, every micro-batch on every rank
     is padded to one slot length (one MAX all-reduce over the world); otherwise each keeps
     its own length.
     ``tp_group`` defaults to Megatron's tensor-parallel group.
     """
     chunks = model if isinstance(model, list) else [model]
+    check_tree_model(chunks)
     config = get_model_config(chunks[0])
     if not config.calculate_per_token_loss:
         raise ValueError(
@@ -145,13 +163,16 @@ def tree_forward_backward(
         t = torch.tensor([length], device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         length = int(t.item())
+    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks.
+    multiple = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    length = -(-length // multiple) * multiple
     pad_to = length if fixed else None
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_group = tp_group if torch.distributed.get_world_size(tp_group) > 1 else None
     return get_forward_backward_func()(
         forward_step_func=tree_forward_step(loss_fn, tp_group=tp_group, temperature=temperature),
-        data_iterator=tree_data_iterators(mbs, len(chunks), device=device, pad_to=pad_to),
+        data_iterator=tree_data_iterators(mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple),
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(mbs),
         seq_length=length,

@@ -108,9 +108,9 @@ def hf_rope_theta() -> list[AttrPatch]:
 
 
 def _have_transformer_engine() -> bool:
-    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron_tree.config_overrides import have_transformer_engine
 
-    return bool(gpt_layer_specs.HAVE_TE)
+    return have_transformer_engine()
 
 
 def local_layer_spec() -> list[AttrPatch]:
