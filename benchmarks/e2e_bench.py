@@ -25,20 +25,20 @@ import gc
 import json
 import os
 import statistics
-import sys
+import tempfile
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from attention_bench import tree_pairs
+from step_profile import OPTIMIZER_REGION, profile_step
+from transformers import AutoConfig
 
-from attention_bench import tree_pairs  # noqa: E402
-from megatron_tree import build_forest, pack_trees  # noqa: E402
-from megatron_tree.run_config import RunConfig  # noqa: E402
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch  # noqa: E402
-from megatron_tree.tree import as_sequences  # noqa: E402
-from step_profile import OPTIMIZER_REGION, profile_step  # noqa: E402
+from megatron_tree import MicroBatchSpec, build_forest, pack_trees
+from megatron_tree.losses import sft_loss
+from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
+from megatron_tree.tree import as_sequences
 
 MODELS = {
     "tiny": ("qwen3", dict(num_hidden_layers=2)),  # the test checkpoint's shape: CPU smoke runs of this harness
@@ -94,21 +94,20 @@ def packed_work(mbs) -> tuple[int, float]:
     return tokens, float(sum(tree_pairs(mb.attention_mask[0], mb.num_tokens) for mb in mbs))
 
 
-def train_step(model, optimizer, mbs, loss_fn, between=None) -> None:
-    """One step: zero grads, forward-backward of ``mbs``, ``between()`` if given, optimizer step."""
-    from megatron_tree.schedule import tree_forward_backward
-
+def train_step(model, optimizer, mbs, loss_fn, run, between=None) -> None:
+    """One step: zero grads, ``run(model, mbs, loss_fn)`` (the tree or flat forward-backward),
+    ``between()`` if given, optimizer step."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    tree_forward_backward(model, mbs, loss_fn)
+    run(model, mbs, loss_fn)
     if between is not None:
         between()
     with torch.profiler.record_function(OPTIMIZER_REGION):
         optimizer.step()
 
 
-def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tuple[list[float], list[float], float | None]:
+def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) -> tuple[list[float], list[float], float | None]:
     """Step times (s) after ``warmup`` steps, the optimizer's share of each (s, from a
     synchronised mark after the backward; CUDA only, else 0), and peak GPU memory in GiB
     (None on CPU). Python's garbage collector runs between steps, not inside them (as
@@ -130,7 +129,7 @@ def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tupl
             gc.collect()
             marks.clear()
             mark()
-            train_step(model, optimizer, mbs, loss_fn, between=mark if cuda else None)
+            train_step(model, optimizer, mbs, loss_fn, run, between=mark if cuda else None)
             mark()
             if i >= warmup:
                 times.append(marks[-1] - marks[0])
@@ -140,6 +139,48 @@ def timed_steps(model, optimizer, mbs, loss_fn, warmup: int, steps: int) -> tupl
     return times, optimizer_times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
+def init_one_process(cuda: bool) -> None:
+    """torch.distributed and megatron-core parallel state for one process (gloo CPU mode off CUDA)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_tree.testing import init_cpu_distributed
+
+    if not cuda:
+        init_cpu_distributed(tp=1)
+        return
+    torch.cuda.set_device(0)
+    port = os.environ.get("MASTER_PORT", "29511")
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+
+
+def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool):
+    """``(model chunks, optimizer)``: the model Megatron initialises from the HF config at ``path``
+    (tree attention or upstream), wrapped in DDP, with Adam."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_tree.bridge import build_tree_model
+
+    _, model = build_tree_model(
+        path, tree=tree, bf16=bf16, recompute=recompute, load_weights=False, wrap_with_ddp=True,
+        ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+    )
+    # megatron-core's gradient clipping asserts CUDA tensors: clip on GPUs only.
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-5, bf16=bf16, clip_grad=1.0 if cuda else 0.0,
+                        use_distributed_optimizer=False),
+        model,
+    )
+    return model, optimizer
+
+
+def loss_fn(logprobs, mb):
+    """Per-token mean negative log-likelihood as ``(sum, count)``."""
+    loss, metrics = sft_loss(logprobs, mb.cu_seqlens, reduction="sum")
+    return loss, metrics["normalizer"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
@@ -147,7 +188,7 @@ def main():
     ap.add_argument("--max-tokens-per-mb", type=int, default=16384)
     ap.add_argument("--recompute", default="none", choices=["none", "full", "selective"])
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="add one profiled step per mode: kernel time by category, logprobs, optimizer, idle")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke runs)")
@@ -157,71 +198,88 @@ def main():
     if not cuda and args.model != "tiny":
         raise SystemExit("e2e_bench measures bf16 kernels on a CUDA GPU; without one only --model tiny "
                          "(a fp32 smoke run of the harness) is allowed")
-    import train_tree
-
-    from megatron_tree.testing import cpu_mode
+    from megatron_tree.config_overrides import have_transformer_engine
     from megatron_tree.patches import apply_compat_patches
+    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
+    from megatron_tree.testing import cpu_mode, save_hf_config
 
     arch, overrides = MODELS[args.model]
-    cfg = RunConfig.from_dict(
-        {
-            "model": {"arch": arch, "hf_overrides": overrides, "random_init": True},
-            "micro_batch": {"max_tokens_per_mb": args.max_tokens_per_mb, "packing_algorithm": "kk"},
-            "train": {"bf16": cuda, "recompute": args.recompute, "lr": 1e-5},
-        }
-    )
-    rows = []
-    with apply_compat_patches(), cpu_mode():
-        train_tree.init_distributed(cfg, cuda=cuda)
-        path, load = train_tree.model_path(cfg)
-        model, optimizer, hf_config = train_tree.build_model(cfg, path, load, cuda=cuda)
+    spec = MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk")
+    rows: dict[str, dict] = {}
+    with apply_compat_patches(), cpu_mode(), tempfile.TemporaryDirectory() as tmp:
+        init_one_process(cuda)
+        te = cuda and have_transformer_engine()
+        # With TE the flat baseline is Megatron's sequence packing: the upstream model, each sequence
+        # a THD segment through cuDNN fused attention. Without TE, flat micro-batches run through the
+        # tree model's own kernel (each sequence its own chain), on the same model as the tree steps.
+        baseline = "te_thd_cudnn" if te else "tree_kernel_chains"
+        path = save_hf_config(arch, os.path.join(tmp, "hf"), **overrides)
+        hf_config = AutoConfig.from_pretrained(path)
         vocab = hf_config.vocab_size
         per_token, per_pair = flops_per_token_and_pair(hf_config)
-        loss_fn = train_tree.make_loss_fn(cfg, advantages=None)
-        for name in args.workloads.split(","):
-            seqs = workloads(name, np.random.default_rng(0), vocab, args.scale)
-            forest = build_forest(as_sequences(seqs))
-            lens = np.array([len(s) for s in seqs], dtype=np.float64)
-            original, unique = float(lens.sum()), float(forest.num_tokens)
-            flat_pairs = float((lens * (lens + 1) / 2).sum())
-            tree_pairs = float((forest.depth + 1).sum())
-            flops_flat = per_token * original + per_pair * flat_pairs
-            flops_tree = per_token * unique + per_pair * tree_pairs
-            row = dict(model=args.model, workload=name, sequences=len(seqs), original_tokens=int(original),
-                       unique_tokens=int(unique), token_ratio=unique / original, flat_pairs=flat_pairs,
-                       tree_pairs=tree_pairs, flop_ideal_speedup=flops_flat / flops_tree,
-                       max_tokens_per_mb=args.max_tokens_per_mb, recompute=args.recompute)
-            spec = cfg.micro_batch
-            for mode in ("flat", "tree"):
+        model = optimizer = None
+        for mode in ("flat", "tree"):
+            if model is None or te:
+                model = optimizer = None
+                gc.collect()
+                torch.cuda.empty_cache() if cuda else None
+                model, optimizer = build(path, tree=mode == "tree" or not te, bf16=cuda, recompute=args.recompute,
+                                         cuda=cuda)
+            run = flat_forward_backward if mode == "flat" and te else tree_forward_backward
+            for name in args.workloads.split(","):
+                seqs = workloads(name, np.random.default_rng(0), vocab, args.scale)
+                row = rows.setdefault(name, workload_row(args, name, seqs, per_token, per_pair, baseline))
                 mbs = pack_trees(seqs, spec, share_prefixes=mode == "tree", pad_to_multiple_of=128)
-                times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, args.warmup, args.steps)
+                times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, run, args.warmup, args.steps)
                 step_s = statistics.median(times)
                 computed_tokens, computed_pairs = packed_work(mbs)
-                row[mode] = dict(step_s=step_s, step_times=times, optimizer_s=statistics.median(optimizer_times),
-                                 tokens_per_s=original / step_s,
-                                 peak_mem_gib=peak, micro_batches=len(mbs),
-                                 max_mb_slots=max(mb.num_slots for mb in mbs),
+                flops = row["flops_flat"] if mode == "flat" else row["flops_tree"]
+                row[mode] = dict(step_s=step_s, step_times=times, step_spread=(max(times) - min(times)) / step_s,
+                                 optimizer_s=statistics.median(optimizer_times), tokens_per_s=row["original_tokens"] / step_s,
+                                 peak_mem_gib=peak, micro_batches=len(mbs), max_mb_slots=max(mb.num_slots for mb in mbs),
                                  computed_tokens=computed_tokens, computed_pairs=computed_pairs,
-                                 tflops_per_s=(flops_flat if mode == "flat" else flops_tree) / step_s / 1e12)
+                                 tflops_per_s=flops / step_s / 1e12)
                 if args.profile:
-                    row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn))
-            # What packing into micro-batches leaves of the ideal (a tree split over micro-batches
-            # computes its shared prefix once per part): flat FLOPs / FLOPs of the packed trees.
-            row["packed_flop_ideal_speedup"] = flops_flat / (
-                per_token * row["tree"]["computed_tokens"] + per_pair * row["tree"]["computed_pairs"])
-            row["speedup"] = row["flat"]["step_s"] / row["tree"]["step_s"]
-            row["achieved_fraction_of_ideal"] = row["speedup"] / row["flop_ideal_speedup"]
-            rows.append(row)
-            print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
-                  f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
-                  f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['peak_mem_gib'] or 0:.1f}GiB "
-                  f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['peak_mem_gib'] or 0:.1f}GiB "
-                  f"optimizer={row['flat']['optimizer_s']*1e3:.0f}/{row['tree']['optimizer_s']*1e3:.0f}ms", flush=True)
-            for mode in ("flat", "tree") if args.profile else ():
-                print(f"  {mode} profile: {json.dumps(row[mode]['profile'])}", flush=True)
-            with open(args.out, "w") as f:  # after every workload: a cut-short run keeps its rows
-                device = torch.cuda.get_device_name() if cuda else "cpu"
-                json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+                    row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))
+                if mode == "tree":
+                    finish_row(row, per_token, per_pair)
+                    print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
+                          f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
+                          f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['tflops_per_s']:.0f}TF/"
+                          f"{row['flat']['peak_mem_gib'] or 0:.1f}GiB "
+                          f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['tflops_per_s']:.0f}TF/"
+                          f"{row['tree']['peak_mem_gib'] or 0:.1f}GiB "
+                          f"spread={row['flat']['step_spread']:.3f}/{row['tree']['step_spread']:.3f}", flush=True)
+                    for m in ("flat", "tree") if args.profile else ():
+                        print(f"  {m} profile: {json.dumps(row[m]['profile'])}", flush=True)
+                with open(args.out, "w") as f:  # after every run: a cut-short run keeps its rows
+                    device = torch.cuda.get_device_name() if cuda else "cpu"
+                    json.dump({"device": device, "torch": torch.__version__, "baseline": baseline,
+                               "rows": list(rows.values())}, f, indent=1)
+
+
+def workload_row(args, name: str, seqs, per_token: float, per_pair: float, baseline: str) -> dict:
+    """The mode-independent part of a result row: sizes, token ratio and the FLOP ideal on the global trie."""
+    forest = build_forest(as_sequences(seqs))
+    lens = np.array([len(s) for s in seqs], dtype=np.float64)
+    original, unique = float(lens.sum()), float(forest.num_tokens)
+    flat_pairs = float((lens * (lens + 1) / 2).sum())
+    tree_pairs = float((forest.depth + 1).sum())
+    flops_flat = per_token * original + per_pair * flat_pairs
+    flops_tree = per_token * unique + per_pair * tree_pairs
+    return dict(model=args.model, workload=name, baseline=baseline, sequences=len(seqs), original_tokens=int(original),
+                unique_tokens=int(unique), token_ratio=unique / original, flat_pairs=flat_pairs, tree_pairs=tree_pairs,
+                flops_flat=flops_flat, flops_tree=flops_tree, flop_ideal_speedup=flops_flat / flops_tree,
+                max_tokens_per_mb=args.max_tokens_per_mb, recompute=args.recompute)
+
+
+def finish_row(row: dict, per_token: float, per_pair: float) -> None:
+    """Speedup, achieved fraction and the ideal of the trees as packed (a tree split over
+    micro-batches computes its shared prefix once per part): flat FLOPs / FLOPs of the packed trees."""
+    row["packed_flop_ideal_speedup"] = row["flops_flat"] / (
+        per_token * row["tree"]["computed_tokens"] + per_pair * row["tree"]["computed_pairs"])
+    row["speedup"] = row["flat"]["step_s"] / row["tree"]["step_s"]
+    row["achieved_fraction_of_ideal"] = row["speedup"] / row["flop_ideal_speedup"]
 
 
 if __name__ == "__main__":

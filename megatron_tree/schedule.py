@@ -20,10 +20,19 @@ count summed over all micro-batches (and, with its DDP, over data-parallel ranks
 micro-batching, so a tree step equals the flat step on the same sequences exactly;
 without that flag Megatron averages per-micro-batch means, which depends on how
 sequences fall into micro-batches, and :func:`tree_forward_backward` refuses it.
+
+Megatron divides the gradients by that count, and reduces them over data-parallel ranks,
+only in ``config.finalize_model_grads_func`` (megatron-core's ``finalize_model_grads``,
+which Megatron's training loop sets), on a model wrapped in its ``DistributedDataParallel``.
+:func:`tree_forward_backward` sets it when it is unset and the model is so wrapped (it never
+replaces a function the user set), and refuses to train an unwrapped model without one:
+the gradients would be sums, never divided.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -33,10 +42,15 @@ from megatron.core.utils import get_model_config
 
 from megatron_tree.logprobs import gather_tree_logprobs
 from megatron_tree.microbatch import TreeMicroBatch
+from megatron_tree.packed_seq import thd_packed_seq_params
 from megatron_tree.model_check import check_tree_model
+from megatron_tree.router_stats import tree_padding_mask
 
 LossFn = Callable[[torch.Tensor, TreeMicroBatch], tuple[torch.Tensor, torch.Tensor | int]]
 """``loss_fn(logprobs [N] fp32, mb) -> (loss_sum scalar, count)``; see the module docstring."""
+
+_log = logging.getLogger(__name__)
+_ANNOUNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def tree_data_iterators(
@@ -70,10 +84,43 @@ def tree_forward_step(
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         check_tree_model(model)  # walks each chunk once
-        output = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+        # MoE routers weigh each slot by the sequences through it (megatron_tree.router_stats).
+        padding_mask = tree_padding_mask(mb) if get_model_config(model).num_moe_experts else None
+        output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask)
         return output, tree_loss_func(loss_fn, mb, tp_group=tp_group, temperature=temperature)
 
     return forward_step
+
+
+def thd_schedule_inputs(
+    mbs: Sequence[TreeMicroBatch],
+    num_model_chunks: int,
+    loss_fn: LossFn,
+    *,
+    device: torch.device | str,
+    pad_to: int | None,
+    pad_multiple: int,
+    tp_group: torch.distributed.ProcessGroup | None,
+    temperature: float,
+) -> tuple[Callable, Iterator | list[Iterator]]:
+    """``(forward_step_func, data_iterator)`` of flat micro-batches run as packed THD sequences
+    (:func:`~megatron_tree.packed_seq.thd_packed_seq_params`): padded as :func:`tree_data_iterators`
+    pads, the model called with ``packed_seq_params`` and no mask or positions."""
+    items = []
+    for mb in mbs:
+        mb = mb.padded_to(pad_to or -(-mb.num_slots // pad_multiple) * pad_multiple)
+        params = thd_packed_seq_params(mb)
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            setattr(params, name, getattr(params, name).to(device))
+        items.append((mb.to(device), params))
+
+    def forward_step(data_iterator, model):
+        mb, params = next(data_iterator)
+        output = model(mb.input_ids, None, None, packed_seq_params=params)
+        return output, tree_loss_func(loss_fn, mb, tp_group=tp_group, temperature=temperature)
+
+    its = [iter(items) for _ in range(num_model_chunks)]
+    return forward_step, its[0] if num_model_chunks == 1 else its
 
 
 def tree_loss_func(
@@ -105,6 +152,37 @@ def tree_loss_func(
     return loss_func
 
 
+def _finalize_grads_for_training(chunks: list[torch.nn.Module], config) -> str:
+    """Make ``config.finalize_model_grads_func`` divide the gradients by the global count and
+    reduce them over data-parallel ranks; returns what it found or did, for the log.
+
+    A function already set is kept (the user's own, or megatron-core's). Unset on chunks wrapped
+    in Megatron's DDP (or anything with its ``finish_grad_sync`` / ``scale_gradients``): set to
+    megatron-core's ``finalize_model_grads``, as Megatron's training loop does. Unset on other
+    chunks: ``ValueError``, since the schedule would leave the gradients as undivided sums.
+    """
+    if config.finalize_model_grads_func is not None:
+        return f"gradients finalised by config.finalize_model_grads_func={config.finalize_model_grads_func!r}"
+    unwrapped = [type(c).__name__ for c in chunks if not (hasattr(c, "finish_grad_sync") and hasattr(c, "scale_gradients"))]
+    if unwrapped:
+        raise ValueError(
+            f"cannot train: config.finalize_model_grads_func is unset and the model ({', '.join(unwrapped)}) is not "
+            f"wrapped in Megatron's DistributedDataParallel, so the gradients would be sums over the batch, never "
+            f"divided by the global count nor reduced over data-parallel ranks. Wrap it "
+            f"(bridge.get_model(wrap_with_ddp=True) or build_tree_model(..., wrap_with_ddp=True); "
+            f"tree_forward_backward then sets megatron.core.distributed.finalize_model_grads), or set "
+            f"config.finalize_model_grads_func to your own fn(model_chunks, num_tokens, pg_collection=None, "
+            f"force_all_reduce=False) that does both; forward_only=True needs neither"
+        )
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    return (
+        "gradients finalised by megatron.core.distributed.finalize_model_grads (config.finalize_model_grads_func "
+        "was unset: set now, as Megatron's training loop does; it divides by the global count and reduces over DP)"
+    )
+
+
 def tree_forward_backward(
     model: torch.nn.Module | list[torch.nn.Module],
     mbs: Sequence[TreeMicroBatch],
@@ -120,14 +198,41 @@ def tree_forward_backward(
     Validates what the schedule needs: a tree model (tree attention and per-token RoPE in
     every chunk, :func:`~megatron_tree.model_check.check_tree_model`),
     ``calculate_per_token_loss``, no context parallel, a micro-batch count that interleaved
-    PP accepts. With pipeline parallel, or MoE over
-    expert-parallel ranks, and ``variable_seq_lengths`` off, every micro-batch on every rank
+    PP accepts. To train (``forward_only=False``) it needs ``config.finalize_model_grads_func``:
+    set to megatron-core's ``finalize_model_grads`` when unset on a model wrapped in Megatron's
+    DDP, else ``ValueError`` (see the module docstring). The first call for a model logs (INFO,
+    logger ``megatron_tree.schedule``) its parameters' dtype and how gradients are finalised.
+    With pipeline parallel, or MoE over expert-parallel ranks, and ``variable_seq_lengths`` off, every micro-batch on every rank
     is padded to one slot length (one MAX all-reduce over the world); otherwise each keeps
     its own length.
     ``tp_group`` defaults to Megatron's tensor-parallel group.
     """
     chunks = model if isinstance(model, list) else [model]
     check_tree_model(chunks)
+    return _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=False)
+
+
+def flat_forward_backward(
+    model: torch.nn.Module | list[torch.nn.Module],
+    mbs: Sequence[TreeMicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+    temperature: float = 1.0,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+) -> list[dict]:
+    """The flat baseline Megatron users run: :func:`tree_forward_backward` for flat micro-batches
+    (``pack_trees(..., share_prefixes=False)``) through an upstream model (``build_tree_model(path,
+    tree=False)``), each sequence one segment of a packed THD row
+    (:func:`~megatron_tree.packed_seq.thd_packed_seq_params`): Transformer Engine's fused
+    attention per segment and RoPE restarting at each segment, as Megatron's sequence packing
+    does. Same loss path, normalisation and padding as the tree step; needs Transformer Engine.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    return _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=True)
+
+
+def _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, thd: bool) -> list[dict]:
     config = get_model_config(chunks[0])
     if not config.calculate_per_token_loss:
         raise ValueError(
@@ -135,6 +240,12 @@ def tree_forward_backward(
             "normalised by counts summed over all micro-batches, so tree and flat steps agree exactly "
             "(set it, e.g. bridge.set_extra_args(calculate_per_token_loss=True))"
         )
+    finalize = "forward only" if forward_only else _finalize_grads_for_training(chunks, config)
+    if chunks[0] not in _ANNOUNCED:
+        _ANNOUNCED.add(chunks[0])
+        dtype = next(chunks[0].parameters()).dtype
+        entry = "flat_forward_backward" if thd else "tree_forward_backward"
+        _log.info("%s: model parameters are %s; %s", entry, dtype, finalize)
     if parallel_state.get_context_parallel_world_size() > 1:
         raise ValueError(
             f"context parallel size {parallel_state.get_context_parallel_world_size()} is not supported "
@@ -170,9 +281,17 @@ def tree_forward_backward(
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_group = tp_group if torch.distributed.get_world_size(tp_group) > 1 else None
+    if thd:
+        forward_step, data_iterator = thd_schedule_inputs(
+            mbs, len(chunks), loss_fn, device=device, pad_to=pad_to, pad_multiple=multiple, tp_group=tp_group,
+            temperature=temperature,
+        )
+    else:
+        forward_step = tree_forward_step(loss_fn, tp_group=tp_group, temperature=temperature)
+        data_iterator = tree_data_iterators(mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple)
     return get_forward_backward_func()(
-        forward_step_func=tree_forward_step(loss_fn, tp_group=tp_group, temperature=temperature),
-        data_iterator=tree_data_iterators(mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple),
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(mbs),
         seq_length=length,
