@@ -27,6 +27,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt import GPTModel
 
 from megatron_tree.attention import TreeCoreAttention
+from megatron_tree.router_stats import weigh_router_statistics
 
 __all__ = ["TreeRotaryEmbedding", "enable_tree_rope"]
 
@@ -172,6 +173,7 @@ def _install(gpt: GPTModel) -> None:
     for module in gpt.modules():
         if isinstance(module, TreeCoreAttention):
             module.positions_from_ids = True
+    weigh_router_statistics(gpt)
 
 
 def enable_tree_rope(model: torch.nn.Module | Iterable[torch.nn.Module]):
@@ -182,7 +184,9 @@ def enable_tree_rope(model: torch.nn.Module | Iterable[torch.nn.Module]):
     models' forward needs ``position_ids [b, S]`` whenever ``attention_mask`` is a tree interval
     vector; with ``position_ids=None`` on a plain batch, RoPE stays upstream's ``0..S-1``.
     Also marks the models' :class:`TreeCoreAttention` modules as fed correct positions (they
-    refuse to run otherwise). Raises for MLA, mrope, multi-token prediction and context parallel.
+    refuse to run otherwise), and makes their MoE routers count each slot once per sequence
+    through it (:func:`megatron_tree.router_stats.weigh_router_statistics`). Raises for MLA,
+    mrope, multi-token prediction, context parallel, and MoE token dropping.
     """
     for gpt in _gpt_models(model):
         _install(gpt)
