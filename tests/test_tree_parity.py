@@ -117,7 +117,7 @@ def test_tree_model_needs_position_ids(checkpoints, forest):
         model(mb.input_ids, None, mb.attention_mask)
 
 
-GRAD_CASES = [("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective"),
+GRAD_CASES = [("qwen3", "none"), ("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective"),
               ("qwen3_moe", "full")]
 
 

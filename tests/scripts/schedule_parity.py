@@ -5,7 +5,10 @@ micro-batch, same model, same sequences; loss and gradients must agree (relative
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --pp 2 [--vpp 2] --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --ep 2 --arch qwen3_moe --ckpt DIR
 
-Runs on CPU (gloo, fp32) and on GPUs (NCCL; ``--bf16`` reports the gaps instead of asserting).
+Runs on CPU (gloo, fp32) and on GPUs (NCCL). With Transformer Engine (GPUs) it also runs the flat
+path Megatron users run (the upstream model, THD-packed micro-batches through cuDNN attention,
+``flat_forward_backward``) and compares the tree step with it. ``--bf16`` reports each path's
+gradient error against the fp32 flat step and asserts the tree's is at most 2x the flat paths' worst.
 With DP > 1 the ranks get unequal numbers of trees; the model is wrapped in Megatron's DDP
 and gradients go through ``finalize_model_grads`` (per-token normalisation over all ranks).
 Prints ``PARITY rank=R loss_rel=... grad_rel=...`` and exits non-zero on a mismatch.
@@ -57,6 +60,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, help="expert tensor parallel size (default: TP), GPUs only")
     ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoint (shared by ranks)")
     ap.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
@@ -69,7 +73,8 @@ def main():
     from megatron.core.utils import get_model_config
 
     from megatron_tree.bridge import build_tree_model
-    from megatron_tree.schedule import tree_forward_backward
+    from megatron_tree.config_overrides import have_transformer_engine
+    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
 
     cuda = torch.cuda.is_available()
     # Runtime needs the compat patches too (MoE on megatron-core 0.16.1 without TE), so they
@@ -79,16 +84,17 @@ def main():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl")
             ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep)
+                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
+                                          expert_tensor_parallel_size=args.etp)
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(7)
         else:
             init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, seed=7)
         path = save_tiny_hf_checkpoint(args.arch, args.ckpt, num_hidden_layers=args.layers)
-        def build(bf16: bool):
+        def build(bf16: bool, tree: bool = True):
             return build_tree_model(
-                path, bf16=bf16, recompute=args.recompute, extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
+                path, tree=tree, bf16=bf16, recompute=args.recompute, extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
                 wrap_with_ddp=True,
                 ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
             )
@@ -116,10 +122,10 @@ def main():
         k = -(-int(count) // divisor) * divisor
         flat_mbs += [build_micro_batch(local, []) for _ in range(k - len(flat_mbs))]
 
-        def step(mbs, model=model):
+        def step(mbs, model=model, run=tree_forward_backward):
             for chunk in model:
                 chunk.zero_grad_buffer()
-            losses = tree_forward_backward(model, mbs, loss_fn)
+            losses = run(model, mbs, loss_fn)
             num = torch.zeros(2, dtype=torch.float64, device="cuda" if cuda else "cpu")
             for item in losses:
                 num += item["loss"].to(num)
@@ -127,9 +133,9 @@ def main():
             grads = torch.cat([p.main_grad.flatten().double() for c in model for p in c.parameters()])
             return float(num[0] / num[1]), grads.clone()
 
+        rank = dist.get_rank()
         tree_loss, tree_grad = step(tree_mbs)
         flat_loss, flat_grad = step(flat_mbs)
-        rank = dist.get_rank()
         loss_rel = abs(tree_loss - flat_loss) / abs(flat_loss)
         grad_rel = float((tree_grad - flat_grad).abs().max() / flat_grad.abs().max().clamp(min=1e-30))
         print(
@@ -138,6 +144,18 @@ def main():
             f"tree_tokens={sum(m.num_tokens for m in tree_mbs)} flat_tokens={sum(m.num_tokens for m in flat_mbs)}",
             flush=True,
         )
+        # With Transformer Engine, also the flat path Megatron users run: the upstream model, each
+        # sequence a THD segment of packed micro-batches through cuDNN fused attention.
+        thd = cuda and have_transformer_engine()
+        if thd:
+            thd_model = build(args.bf16, tree=False)[1]
+            thd_mbs = pack_trees(local, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=divisor, n_mbs_divisor=divisor),
+                                 dp_group=dp_group if dp > 1 else None, share_prefixes=False)
+            thd_loss, thd_grad = step(thd_mbs, model=thd_model, run=flat_forward_backward)
+            thd_loss_rel = abs(tree_loss - thd_loss) / abs(thd_loss)
+            thd_grad_rel = float((tree_grad - thd_grad).abs().max() / thd_grad.abs().max().clamp(min=1e-30))
+            print(f"THD rank={rank} tree_vs_te_thd_flat loss_rel={thd_loss_rel:.3e} grad_rel={thd_grad_rel:.3e} "
+                  f"thd_mbs={len(thd_mbs)}", flush=True)
         if args.bf16:
             # The flat path's own bf16 noise: the same flat step with the micro-batches reversed,
             # and with the sequences packed several to a micro-batch (chains, no sharing).
@@ -149,12 +167,13 @@ def main():
             # FlashAttention's rule: each bf16 path against the fp32 reference (flat, fp32 model).
             _, ref_grad = step(flat_mbs, model=build(False)[1])
             ref_scale = float(ref_grad.abs().max())
-            print(
-                f"BF16VSFP32 rank={rank} tree_bf16 grad_rel={float((tree_grad - ref_grad).abs().max()) / ref_scale:.3e} "
-                f"flat_bf16 grad_rel={float((flat_grad - ref_grad).abs().max()) / ref_scale:.3e} "
-                f"flat_packed_bf16 grad_rel={float((pk_grad - ref_grad).abs().max()) / ref_scale:.3e}",
-                flush=True,
-            )
+            errors = {name: float((g - ref_grad).abs().max()) / ref_scale
+                      for name, g in [("tree", tree_grad), ("flat", flat_grad), ("flat_packed", pk_grad)]
+                      + ([("te_thd_flat", thd_grad)] if thd else [])}
+            print(f"BF16VSFP32 rank={rank} " + " ".join(f"{k}_bf16 grad_rel={v:.3e}" for k, v in errors.items()),
+                  flush=True)
+            # The tree step is as close to fp32 as the flat paths are (k = 2 x the worst flat path).
+            bf16_ok = errors["tree"] <= 2 * max(v for k, v in errors.items() if k != "tree")
             print(
                 f"BF16NOISE rank={rank} tree_vs_flat loss_rel={loss_rel:.3e} grad_rel={grad_rel:.3e} | "
                 f"flat_reordered loss_rel={abs(rev_loss - flat_loss) / abs(flat_loss):.3e} "
@@ -163,7 +182,9 @@ def main():
                 f"grad_rel={float((pk_grad - flat_grad).abs().max()) / scale:.3e}",
                 flush=True,
             )
-        ok = args.bf16 or (loss_rel < args.tol and grad_rel < args.tol and float(flat_grad.abs().max()) > 0)
+        ok = bf16_ok if args.bf16 else (loss_rel < args.tol and grad_rel < args.tol and float(flat_grad.abs().max()) > 0)
+        if thd and not args.bf16:
+            ok = ok and thd_loss_rel < args.tol and thd_grad_rel < args.tol
         if dp > 1:
             n = torch.tensor([len(tree_mbs)], device="cuda" if cuda else "cpu")
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
