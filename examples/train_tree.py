@@ -51,6 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--loss", choices=["sft", "grpo"])
     ap.add_argument("--out-json", help="write per-step records here (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    ap.add_argument("--verify-tree-model", action="store_true",
+                    help="at start-up, check that the model's tree log-probs equal its per-sequence ones "
+                         "(megatron_tree.verify_tree_model) and log the error seen")
     return ap.parse_args(argv)
 
 
@@ -173,7 +176,9 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     from megatron.core import parallel_state as ps
 
+    from megatron_tree.model_check import check_tree_model
     from megatron_tree.schedule import tree_forward_backward
+    from megatron_tree.verify import verify_tree_model
     from megatron_tree.patches import apply_compat_patches
     from megatron_tree.testing import cpu_mode
 
@@ -186,6 +191,11 @@ def main(argv=None):
         dp_group = ps.get_data_parallel_group()
         path, load = model_path(cfg)
         model, optimizer, hf_config = build_model(cfg, path, load, cuda)
+        check_tree_model(model)  # tree attention and per-token RoPE in every chunk, or one clear error
+        if args.verify_tree_model:
+            report = verify_tree_model(model)  # raises when the tree path is not exact
+            if rank == 0:
+                print(f"verify_tree_model: {report}", flush=True)
         vocab = hf_config.vocab_size
         divisor = (model[0].config.microbatch_group_size_per_vp_stage or cfg.parallel.pp) if cfg.parallel.vpp else 1
         spec = MicroBatchSpec.new(cfg.micro_batch, n_mbs_divisor=max(cfg.micro_batch.n_mbs_divisor, divisor),

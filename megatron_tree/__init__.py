@@ -5,7 +5,8 @@ and get exact per-sequence log-probabilities and gradients.
 
 The data model, packing and log-prob gather import no Megatron. The Megatron adapters
 (``build_tree_model``, ``patch_bridge_for_tree_training``, ``tree_layer_spec``, ``enable_tree_rope``,
-``tree_forward_backward``) import megatron-core when first used.
+``tree_forward_backward``, ``check_tree_model``, ``verify_tree_model``) import megatron-core when
+first used.
 """
 
 from importlib import import_module
@@ -24,6 +25,8 @@ _MEGATRON_ADAPTERS = {
     "tree_layer_spec": "megatron_tree.layer_spec",
     "enable_tree_rope": "megatron_tree.rope",
     "tree_forward_backward": "megatron_tree.schedule",
+    "check_tree_model": "megatron_tree.model_check",
+    "verify_tree_model": "megatron_tree.verify",
 }
 
 __all__ = [

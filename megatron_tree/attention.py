@@ -382,7 +382,9 @@ class TreeCoreAttention(MegatronModule):
             )
         if attention_mask is None:
             raise ValueError(
-                "TreeCoreAttention needs attention_mask = TreeMicroBatch.attention_mask (int [1, s])"
+                "TreeCoreAttention got attention_mask=None but needs attention_mask = the micro-batch's "
+                "interval vector (TreeMicroBatch.attention_mask, int32 [1, s]), without which the tree's "
+                "branches would see each other; call model(mb.input_ids, mb.position_ids, mb.attention_mask)"
             )
         dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0 and not self.config.sequence_parallel:

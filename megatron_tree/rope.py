@@ -148,6 +148,12 @@ def _wrap_rotary(gpt: GPTModel) -> None:
                 "tree RoPE does not support KV-cache inference (inference_context); score "
                 "tree micro-batches with inference_context=None"
             )
+        if bound.get("packed_seq_params") is not None:
+            raise ValueError(
+                "tree RoPE does not take packed_seq_params: a tree micro-batch is one packed row whose "
+                "layout is in attention_mask (the interval vector) and position_ids (the depths); call "
+                "the model with packed_seq_params=None"
+            )
         pos, mask = bound.get("position_ids"), bound.get("attention_mask")
         tree_mask = isinstance(mask, torch.Tensor) and mask.dtype in (torch.int32, torch.int64)
         if pos is None and tree_mask:

@@ -1,0 +1,212 @@
+"""A one-off numerical self-check of a tree-training model, in its own dtype and parallel layout.
+
+:func:`verify_tree_model` runs a tiny branching batch through the model twice, both times
+through :func:`~megatron_tree.schedule.tree_forward_backward` (forward only, so every pipeline
+stage and TP rank takes part as in training):
+
+- packed as prefix trees (:func:`~megatron_tree.pack_trees`): per prompt, a short branch laid
+  out first, long branches after it (slot index != depth there), a duplicate sequence and the
+  prompt alone (a sequence ending at a branch point);
+- each sequence alone in its own micro-batch: a chain, whose interval mask is the causal mask
+  and whose depths are the slot indices.
+
+Both give every sequence's next-token log-probs; they agree to rounding error exactly when the
+tree path is right for this model: mask, per-token RoPE (RoPE by packed index is wrong only in
+the first pass), log-prob slots and labels at branch points, the vocab-parallel gather, the
+pipeline. Both passes use the model's own attention kernel, so this does not compare that
+kernel against an independent one (the test suite compares with Hugging Face).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.utils import get_model_config
+
+from megatron_tree.microbatch_spec import MicroBatchSpec
+from megatron_tree.model_check import check_tree_model
+from megatron_tree.packing import build_micro_batch, pack_trees
+from megatron_tree.schedule import tree_forward_backward
+
+__all__ = ["TreeModelReport", "verify_tree_model"]
+
+# Unit roundoff u of the precision the model's matmuls run in.
+_UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "fp16": 2.0**-11, "bf16": 2.0**-8}
+# K in the tolerance K * u * max(1, max |log-prob|). In fp32 the error is the rounding of the
+# logits and log-probs themselves: measured <= 5 u |log-prob| on the tiny test models (Qwen3, Llama,
+# Qwen3-MoE). In TF32 / bf16 / fp16 the rounding of every layer's activations dominates, and is
+# smaller per unit of u: measured <= 0.6 u |log-prob| in bf16. K leaves ~7x headroom over both.
+_ROUNDOFF_MULTIPLE = {"fp32": 32, "tf32": 4, "fp16": 4, "bf16": 4}
+
+
+def _tolerance(precision: str, logprob_scale: float) -> float:
+    """Absolute log-prob tolerance for ``precision`` when log-probs reach ``-logprob_scale``."""
+    return _ROUNDOFF_MULTIPLE[precision] * _UNIT_ROUNDOFF[precision] * max(1.0, logprob_scale)
+
+
+@dataclass(frozen=True)
+class TreeModelReport:
+    """What :func:`verify_tree_model` saw.
+
+    max_error    largest |tree - per-sequence| log-prob over all targets (same on every rank).
+    tolerance    the bound it was held to.
+    precision    "fp32", "tf32" (fp32 with TF32 matmuls), "bf16" or "fp16".
+    targets      next-token log-probs compared.
+    tree_tokens  unique tokens of the packed trees (vs ``original_tokens`` run one by one).
+    """
+
+    max_error: float
+    tolerance: float
+    precision: str
+    targets: int
+    tree_tokens: int
+    original_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        """True when ``max_error <= tolerance``."""
+        return self.max_error <= self.tolerance
+
+    def __str__(self) -> str:
+        verdict = "<=" if self.ok else "> (FAILED)"
+        return (
+            f"tree vs per-sequence max |dlogprob| {self.max_error:.3g} {verdict} tolerance "
+            f"{self.tolerance:.3g} ({self.precision}, {self.targets} targets, {self.tree_tokens} tree "
+            f"tokens for {self.original_tokens})"
+        )
+
+
+def _gpt_model(chunk: torch.nn.Module) -> GPTModel:
+    return next(m for m in chunk.modules() if isinstance(m, GPTModel))  # check_tree_model found one
+
+
+def _precision(chunks: Sequence[torch.nn.Module]) -> str:
+    config = get_model_config(chunks[0])
+    if config.bf16:
+        return "bf16"
+    if config.fp16:
+        return "fp16"
+    param = next(chunks[0].parameters())
+    if param.dtype != torch.float32:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[param.dtype]
+    if param.is_cuda and os.environ.get("NVIDIA_TF32_OVERRIDE") != "0":
+        # Transformer Engine's fp32 GEMMs use TF32 unless NVIDIA_TF32_OVERRIDE=0.
+        te = any(type(m).__module__.startswith("transformer_engine") for c in chunks for m in c.modules())
+        if te or torch.backends.cuda.matmul.allow_tf32:
+            return "tf32"
+    return "fp32"
+
+
+def _branching_sequences(vocab_size: int, seed: int = 0) -> list[np.ndarray]:
+    """Ten sequences over tokens ``< vocab_size`` (>= 4): per prompt (6 tokens), ``prompt+[0]+2``,
+    ``prompt+[1]+11``, ``prompt+[2]+9`` twice and the prompt alone. Tokens 0..2 sort before the
+    prompts' tokens (3..vocab_size-1), so the long branches are laid out after a sibling."""
+    if vocab_size < 4:
+        raise ValueError(f"verify_tree_model needs a vocabulary of at least 4 tokens, got {vocab_size}")
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, vocab_size, (n,), generator=gen).tolist()
+
+    seqs = []
+    for _ in range(2):
+        prompt = rand(6)
+        long_branch = prompt + [2] + rand(9)
+        seqs += [prompt + [0] + rand(2), prompt + [1] + rand(11), long_branch, long_branch, prompt]
+    return [np.array(s, dtype=np.int64) for s in seqs]
+
+
+def _logprobs(chunks, mbs) -> dict[int, torch.Tensor]:
+    """``{sequence id: log-probs [len - 1]}`` of ``mbs`` (filled on the last pipeline stage only)."""
+    out: dict[int, torch.Tensor] = {}
+
+    def keep(logprobs: torch.Tensor, mb):
+        cu = mb.cu_seqlens.tolist()
+        for k, sid in enumerate(mb.sequence_ids):
+            out[sid] = logprobs[cu[k] : cu[k + 1]].float()
+        return logprobs.sum(), logprobs.numel()
+
+    tree_forward_backward(chunks if len(chunks) > 1 else chunks[0], mbs, keep, forward_only=True)
+    return out
+
+
+def verify_tree_model(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    *,
+    atol: float | None = None,
+    seed: int = 0,
+    raise_on_mismatch: bool = True,
+) -> TreeModelReport:
+    """Check once that ``model`` gives the same log-probs on tree micro-batches as on each
+    sequence alone; returns a :class:`TreeModelReport`.
+
+    ``model``: the model chunks of this rank as built for training (``get_model`` / ``build_tree_model``),
+    called on every rank of the job (every pipeline stage and TP rank takes part; parallel state
+    initialised). The model runs in eval mode under ``no_grad``; each module's training flag is
+    restored. Tokens are drawn below the model's ``vocab_size`` (``seed``).
+    ``atol`` (absolute, on log-probs) defaults to ``K * u * max(1, max |log-prob|)``, u the unit
+    roundoff of the model's matmul precision, K = 32 in fp32 and 4 in TF32, bf16 and fp16: on
+    the tiny test models (log-probs down to about -7) 1.3e-5 in fp32, 0.11 in bf16, 0.014 in
+    TF32 (``torch.backends.cuda.matmul.allow_tf32``, or Transformer Engine's fp32 GEMMs without
+    ``NVIDIA_TF32_OVERRIDE=0``) and fp16. Low precision catches gross errors only (an ignored
+    mask; RoPE by packed index on a model sensitive to it); the sharp check is fp32.
+    First :func:`~megatron_tree.model_check.check_tree_model` (a ``ValueError`` naming the
+    offending module); then, unless ``raise_on_mismatch=False``, a ``RuntimeError`` when the
+    error exceeds the tolerance, on every rank alike.
+    """
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    check_tree_model(chunks)
+    config = get_model_config(chunks[0])
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    group = (config.microbatch_group_size_per_vp_stage or pp) if len(chunks) > 1 else 1
+    seqs = _branching_sequences(_gpt_model(chunks[0]).vocab_size, seed)
+    lengths = [len(s) for s in seqs]
+    tree_mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=sum(lengths), n_mbs=group, n_mbs_divisor=group))
+    chain_mbs = [build_micro_batch(seqs, [i]) for i in range(len(seqs))]
+    chain_mbs += [build_micro_batch(seqs, [])] * (-len(chain_mbs) % group)
+
+    training = [(m, m.training) for c in chunks for m in c.modules()]
+    try:
+        for chunk in chunks:
+            chunk.eval()
+        with torch.no_grad():
+            tree = _logprobs(chunks, tree_mbs)
+            chain = _logprobs(chunks, chain_mbs)
+    finally:
+        for module, flag in training:
+            module.training = flag
+
+    device = next(chunks[0].parameters()).device
+    # [max |tree - chain|, max |chain|]; only the last pipeline stage saw log-probs.
+    seen = torch.tensor(
+        [max(((tree[k] - chain[k]).abs().max().item() for k in chain), default=0.0),
+         max((chain[k].abs().max().item() for k in chain), default=0.0)],
+        dtype=torch.float64,
+        device=device,
+    )
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+    error, scale = seen.tolist()
+    precision = _precision(chunks)
+    report = TreeModelReport(
+        max_error=error,
+        tolerance=_tolerance(precision, scale) if atol is None else float(atol),
+        precision=precision,
+        targets=sum(n - 1 for n in lengths),
+        tree_tokens=sum(mb.num_tokens for mb in tree_mbs),
+        original_tokens=sum(lengths),
+    )
+    if raise_on_mismatch and not report.ok:
+        raise RuntimeError(
+            f"verify_tree_model: {report}. The tree path of this model is not exact: look for RoPE "
+            f"rotating by packed slot index instead of position_ids (a custom rotary module, or RoPE "
+            f"applied inside a custom attention), an attention that ignores the interval mask, or "
+            f"log-probs not read through gather_tree_logprobs; pass atol= only if the error is rounding"
+        )
+    return report
