@@ -27,9 +27,15 @@ def check_micro_batches(seqs, mbs, spec):
         ids, pos = mb.input_ids[0], mb.position_ids[0]
         cu = mb.cu_seqlens.tolist()
         assert cu[-1] == mb.logprob_slots.numel() == mb.logprob_labels.numel()
+        assert mb.multiplicity.shape == mb.input_ids.shape and mb.last_slots.shape == (len(mb.sequence_ids),)
+        # sequence k is the root path to its last slot: slots j with j <= last < subtree_end[j]
+        slot = torch.arange(mb.num_slots)
+        on_path = (slot <= mb.last_slots[:, None]) & (mb.last_slots[:, None] < mb.attention_mask)  # [n, T]
+        assert torch.equal(mb.multiplicity[0], on_path.sum(0))
         for k, sid in enumerate(mb.sequence_ids):
             s = torch.as_tensor(seqs[sid])
             assert mb.seq_lens[k] == len(s)
+            assert torch.equal(ids[on_path[k]], s) and torch.equal(pos[on_path[k]], torch.arange(len(s)))
             slots = mb.logprob_slots[cu[k] : cu[k + 1]]
             assert torch.equal(mb.logprob_labels[cu[k] : cu[k + 1]], s[1:])
             assert torch.equal(ids[slots], s[:-1])
