@@ -16,8 +16,13 @@ setup(
             "transformers",
             "safetensors",
             "einops",
+            "psutil",  # megatron-core's dist checkpoint writer needs it (hangs without)
+            "pyarrow",  # Parquet rollouts
+            "tensorboard",
+            "tqdm",
         ],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "wandb"],
         "bench": ["matplotlib", "tqdm"],
     },
+    entry_points={"console_scripts": ["megatron-tree-train=megatron_tree.train.__main__:main"]},
 )

@@ -201,7 +201,12 @@ def destroy_cpu_distributed() -> None:
 # --------------------------------------------------------------------------- tiny models
 
 
-def _tiny_config(arch: str, overrides: dict[str, Any]):
+def tiny_hf_config(arch: str, **overrides: Any):
+    """The Hugging Face config of the tiny ``arch`` model (defaults as :func:`save_tiny_hf_checkpoint`),
+    changed by ``overrides``. A key the config class does not define raises ``ValueError``
+    naming the closest valid keys (HF config classes would store a typo silently)."""
+    import difflib
+
     import transformers
 
     common: dict[str, Any] = dict(
@@ -237,8 +242,17 @@ def _tiny_config(arch: str, overrides: dict[str, Any]):
     if arch not in per_arch:
         raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
     class_name, extra = per_arch[arch]
-    kwargs = {**common, **extra, **overrides}
-    return getattr(transformers, class_name)(**kwargs)
+    config_class = getattr(transformers, class_name)
+    valid = {*config_class().to_dict(), *config_class.attribute_map, *common, *extra}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        close = {key: difflib.get_close_matches(key, valid, n=1) for key in unknown}
+        if all(close.values()):
+            fix = "; ".join(f"did you mean {m[0]!r} for {key!r}?" for key, m in close.items())
+        else:
+            fix = f"valid keys: {sorted(k for k in valid if not k.startswith('_'))}"
+        raise ValueError(f"unknown {class_name} key(s) {unknown} for arch={arch!r}; {fix}")
+    return config_class(**{**common, **extra, **overrides})
 
 
 def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
@@ -257,7 +271,7 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    config = _tiny_config(arch, overrides)
+    config = tiny_hf_config(arch, **overrides)
     path = os.fspath(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -282,7 +296,7 @@ def save_hf_config(arch: str, path: str | os.PathLike, **overrides: Any) -> str:
 
     path = os.fspath(path)
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-        _tiny_config(arch, overrides).save_pretrained(path)
+        tiny_hf_config(arch, **overrides).save_pretrained(path)
     if dist.is_initialized():
         dist.barrier()
     return path

@@ -1,4 +1,4 @@
-"""The example launcher runs end to end on CPU; its config is validated with clear errors."""
+"""The launcher (megatron_tree.train) runs end to end on CPU; its config is validated with clear errors."""
 
 import json
 import subprocess
@@ -8,19 +8,23 @@ import numpy as np
 import pytest
 
 from dist_utils import REPO_ROOT, run_torchrun
-from megatron_tree.run_config import RunConfig
+from megatron_tree.train.config import RunConfig
 
 LAUNCHER = REPO_ROOT / "examples" / "train_tree.py"
 
 
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_launcher_trains_and_loss_goes_down(tmp_path):
-    out = tmp_path / "run.json"
+    out = tmp_path / "run.jsonl"
     subprocess.run(
         [sys.executable, str(LAUNCHER), "--config", "configs/tiny_qwen3.yaml", "--steps", "4", "--no-progress",
-         "--out-json", str(out)],
+         "--log-jsonl", str(out)],
         cwd=REPO_ROOT, check=True, capture_output=True, timeout=600,
     )
-    recs = json.loads(out.read_text())["records"]
+    recs = records(out)
     assert len(recs) == 4
     losses = [r["loss"] for r in recs]
     assert losses[-1] < losses[0] - 0.3, losses
@@ -28,10 +32,10 @@ def test_launcher_trains_and_loss_goes_down(tmp_path):
 
 
 def test_launcher_dp2_balances_ranks(tmp_path):
-    out = tmp_path / "run.json"
+    out = tmp_path / "run.jsonl"
     run_torchrun(LAUNCHER, 2, ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--no-progress",
-                               "--out-json", str(out)], timeout=600)
-    for rec in json.loads(out.read_text())["records"]:
+                               "--log-jsonl", str(out)], timeout=600)
+    for rec in records(out):
         a, b = rec["dp_micro_batches"]
         assert a == b, rec
         assert rec["dp_tree_token_imbalance"] < 1.2, rec
@@ -44,15 +48,15 @@ def test_launcher_dp2_balances_ranks(tmp_path):
 )
 def test_launcher_four_processes(tmp_path, config, args):
     """The four-GPU job's code path (TP x PP, EP x PP MoE), scaled down to 4 gloo processes."""
-    out = tmp_path / "run.json"
+    out = tmp_path / "run.jsonl"
     run_torchrun(LAUNCHER, 4, ["--config", f"configs/{config}", "--steps", "2", "--no-progress",
-                               "--out-json", str(out), *args], timeout=600)
-    recs = json.loads(out.read_text())["records"]
+                               "--log-jsonl", str(out), *args], timeout=600)
+    recs = records(out)
     assert len(recs) == 2 and all(np.isfinite(r["loss"]) for r in recs)
 
 
 def test_yaml_configs_load():
-    for name in ("tiny_qwen3.yaml", "tiny_qwen3_moe.yaml"):
+    for name in ("tiny_qwen3.yaml", "tiny_qwen3_4layers.yaml", "tiny_qwen3_moe.yaml"):
         cfg = RunConfig.from_yaml(str(REPO_ROOT / "configs" / name))
         assert cfg.micro_batch.max_tokens_per_mb > 0
 

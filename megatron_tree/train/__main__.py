@@ -1,0 +1,153 @@
+"""Command line of the launcher: ``megatron-tree-train``, ``python -m megatron_tree.train``, ``examples/train_tree.py``.
+
+    megatron-tree-train --config configs/tiny_qwen3.yaml                      # one process (CPU or GPU)
+    torchrun --nproc-per-node 2 -m megatron_tree.train --config configs/tiny_qwen3.yaml --tp 2
+
+Every flag but ``--config`` and ``--traceback`` sets one key of the YAML config (its help
+names the key and the default); values are validated together with the file. Mistakes in
+the flags, the config, the data or the environment end the run with one line on stderr,
+``megatron-tree-train: error: ...``, and exit status 2 (1 for errors raised while training),
+without a traceback unless ``--traceback`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import warnings
+from typing import Any, Sequence
+
+PROG = "megatron-tree-train"
+
+# flag -> (section.key, extra argparse keywords). Help texts and defaults come from the config classes.
+FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--hf-path": ("model.hf_path", {}),
+    "--tp": ("parallel.tp", {}),
+    "--pp": ("parallel.pp", {}),
+    "--vpp": ("parallel.vpp", {}),
+    "--ep": ("parallel.ep", {}),
+    "--max-tokens-per-mb": ("micro_batch.max_tokens_per_mb", {}),
+    "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": ["ffd", "kk"]}),
+    "--data-path": ("data.path", {}),
+    "--batch-size": ("data.batch_size", {}),
+    "--steps": ("train.steps", {}),
+    "--lr": ("train.lr", {}),
+    "--seed": ("train.seed", {}),
+    "--tree-training": ("train.tree_training", {}),
+    "--loss": ("train.loss", {"choices": ["sft", "grpo"]}),
+    "--kl-coef": ("train.kl_coef", {}),
+    "--recompute": ("train.recompute", {"choices": ["none", "full", "selective"]}),
+    "--bf16": ("train.bf16", {}),
+    "--verify-tree-model": ("train.verify_tree_model", {}),
+    "--save": ("checkpoint.save", {}),
+    "--save-interval": ("checkpoint.save_interval", {}),
+    "--load": ("checkpoint.load", {}),
+    "--export-hf": ("checkpoint.export_hf", {}),
+    "--log-jsonl": ("logging.jsonl", {}),
+    "--tensorboard-dir": ("logging.tensorboard_dir", {}),
+    "--wandb-project": ("logging.wandb_project", {}),
+    "--wandb-run-name": ("logging.wandb_run_name", {}),
+    "--wandb-mode": ("logging.wandb_mode", {"choices": ["online", "offline", "disabled"]}),
+    "--progress": ("logging.progress", {}),
+}
+MICRO_BATCH_HELP = {
+    "max_tokens_per_mb": ("capacity of a micro-batch in unique (tree) tokens", 1024),
+    "packing_algorithm": ("packing of trees into micro-batches: ffd | kk (Karmarkar-Karp)", "ffd"),
+}
+
+
+def _field(key: str) -> tuple[str, Any, type]:
+    """(help, default, type) of config key ``section.key``."""
+    import typing
+
+    from megatron_tree.train.config import SECTIONS
+
+    section, name = key.split(".")
+    if section == "micro_batch":
+        help_text, default = MICRO_BATCH_HELP[name]
+        return help_text, default, type(default)
+    klass = SECTIONS[section]
+    f = {f.name: f for f in dataclasses.fields(klass)}[name]
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    hint = typing.get_type_hints(klass)[name]
+    kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    return f.metadata["help"], default, kind
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=PROG,
+        description="Tree training with Megatron: pack rollouts that share prefixes into prefix trees and train "
+        "on them (CPU over gloo, GPUs over NCCL; run under torchrun for several processes).",
+        epilog="Each flag overrides one key of the --config file (shown in brackets with its built-in default). "
+        "Rollout file schema: README.md, 'Rollout data'.",
+    )
+    ap.add_argument("--config", metavar="YAML",
+                    help="run config file (configs/*.yaml); flags override its keys [default: built-in defaults, "
+                         "a tiny random Qwen3 on synthetic GRPO rollouts]")
+    for flag, (key, extra) in FLAGS.items():
+        help_text, default, kind = _field(key)
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+        kw: dict[str, Any] = dict(dest=key, default=None, help=f"{help_text} [{key}, default {shown}]", **extra)
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind
+            kw.setdefault("metavar", flag.lstrip("-").split("-")[-1].upper() if "choices" not in extra else None)
+        ap.add_argument(flag, **kw)
+    ap.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace):
+    """The run config: ``--config`` (or the defaults) with every given flag applied."""
+    from megatron_tree.train.config import RunConfig
+
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if "." in key and value is not None:
+            section, name = key.split(".")
+            overrides.setdefault(section, {})[name] = value
+    if args.config:
+        return RunConfig.from_yaml(args.config, overrides)
+    return RunConfig.from_dict({}, source="built-in config", overrides=overrides)
+
+
+def _quiet_known_warnings() -> None:
+    """Drop import-time notices about optional kernels (Apex, Transformer Engine) that every CPU run prints."""
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), train, return the exit status. The trainer is
+    closed on every path (process groups, temporary model directory, sinks)."""
+    args = build_parser().parse_args(argv)
+    _quiet_known_warnings()
+    trainer = None
+    status = 2  # an error before training starts: configuration, data, environment
+    try:
+        from megatron_tree.train.trainer import Trainer
+
+        cfg = config_from_args(args)
+        trainer = Trainer(cfg, config_source=args.config or "built-in")
+        status = 1
+        trainer.train()
+        status = 0
+    except (ValueError, OSError) as e:
+        if args.traceback:
+            raise
+        prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{prefix}{PROG}: error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        status = 130
+    finally:
+        if trainer is not None:
+            trainer.close(failed=status != 0)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

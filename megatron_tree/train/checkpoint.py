@@ -1,0 +1,125 @@
+"""Checkpoints of a training run with megatron-core's distributed checkpointing (``torch_dist``).
+
+Layout, as Megatron-LM's: ``ROOT/iter_0000004/`` (one dist checkpoint per save) and
+``ROOT/latest_checkpointed_iteration.txt``. A checkpoint holds
+
+- ``model`` (``model0``, ``model1``, ... under virtual pipeline): every chunk's sharded state;
+- ``optimizer``: Megatron's optimizer state sharded like the parameters (Adam moments, step);
+- ``rng_state``: Python, NumPy, torch (CPU and CUDA) and Megatron's model-parallel RNG
+  tracker, one object per rank (restored when the world size is the same);
+- ``iteration``, ``data`` (the rollout source's position) and ``world_size``: plain values
+  in ``common.pt``.
+
+Call both functions on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict | None) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    state: dict[str, Any] = {}
+    for i, chunk in enumerate(model):
+        state["model" if len(model) == 1 else f"model{i}"] = chunk.sharded_state_dict()
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
+    return state
+
+
+def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: dict[str, Any]) -> str:
+    """Save the run after ``iteration`` steps under ``root``; returns the checkpoint directory.
+    ``data`` is the rollout source's position. An existing checkpoint of that iteration is replaced."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+    dist.barrier()
+    state = _sharded_state_dict(model, optimizer, is_loading=False, rng=_rng_state())
+    state.update(iteration=iteration, data=data, world_size=dist.get_world_size())
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, TRACKER_FILE), "w") as f:
+            f.write(str(iteration))
+    return path
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The dist checkpoint directory ``path`` names: itself, or ``path``'s latest ``iter_*``."""
+    from megatron.core import dist_checkpointing
+
+    if dist_checkpointing.check_is_distributed_checkpoint(path):
+        return path
+    tracker = os.path.join(path, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        raise ValueError(f"--load {path!r}: neither a checkpoint nor a directory with {TRACKER_FILE}; pass the "
+                         f"--save directory of an earlier run or one of its iter_NNNNNNN folders")
+    with open(tracker) as f:
+        latest = iteration_dir(path, int(f.read().strip()))
+    if not dist_checkpointing.check_is_distributed_checkpoint(latest):
+        raise ValueError(f"--load {path!r}: {TRACKER_FILE} names {latest}, which is not a complete checkpoint")
+    return latest
+
+
+def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, Any], bool]:
+    """Load model, optimizer and RNG state from ``path`` (see :func:`resolve_checkpoint`).
+    Returns ``(iteration, data position, whether the RNG state was restored)``."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint(path)
+    common = dist_checkpointing.load_common_state_dict(path)
+    state = _sharded_state_dict(model, optimizer, is_loading=True, rng=None)
+    has_rng = common["world_size"] == dist.get_world_size()
+    if not has_rng:
+        del state["rng_state"]
+    loaded = dist_checkpointing.load(state, path)
+    for i, chunk in enumerate(model):
+        chunk.load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    if has_rng:
+        _set_rng_state(loaded["rng_state"])
+    return int(common["iteration"]), common["data"], has_rng
+

@@ -1,0 +1,337 @@
+"""Run configuration of the launcher: YAML (pyyaml) -> frozen dataclasses validated at construction.
+
+A config file has up to seven sections; every key is optional::
+
+    model:       {hf_path: /path/to/hf}  or  {arch: qwen3, hf_overrides: {hidden_size: 64, ...}, random_init: false}
+    parallel:    {tp: 1, pp: 1, vpp: null, ep: 1}            # dp = world / (tp * pp)
+    micro_batch: {max_tokens_per_mb: 1024, ...}              # MicroBatchSpec fields
+    data:        {path: rollouts.jsonl | .parquet}  or  {workload: grpo | multi_turn, batch_size: ..., ...}
+    train:       {steps: 5, lr: 1.0e-3, seed: 0, loss: sft | grpo, ...}
+    checkpoint:  {save: DIR, save_interval: N, load: DIR, export_hf: DIR}
+    logging:     {jsonl: FILE, tensorboard_dir: DIR, wandb_project: NAME, wandb_mode: online | offline, progress: true}
+
+Every section checks its keys' types and values in ``__post_init__`` and :class:`RunConfig`
+checks across sections; a mistake raises one ``ValueError`` naming ``section.key``, the
+value and what is valid (``RunConfig.from_yaml`` prefixes the file name). Each field's
+``metadata["help"]`` is the help text of its command-line flag (``megatron_tree.train.__main__``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from megatron_tree.microbatch_spec import MicroBatchSpec
+
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+WORKLOADS = ("grpo", "multi_turn")
+RECOMPUTE = ("none", "full", "selective")
+LOSSES = ("sft", "grpo")
+BALANCE = ("kk", "ffd", "round_robin")
+BACKENDS = ("auto", "dense", "flex")
+WANDB_MODES = ("online", "offline", "disabled")
+DATA_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _field(default: Any, help: str) -> Any:
+    """A dataclass field whose ``help`` is its command-line flag's help text."""
+    return field(default=default, metadata={"help": help})
+
+
+class _Section:
+    """Base of the config sections: checks every field against its annotation (``int``,
+    ``float``, ``bool``, ``str``, ``tuple[int, int]``, ``dict``, ``X | None``), converts YAML
+    lists to tuples and ints to floats where declared, then runs :meth:`_check`."""
+
+    SECTION = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _coerce(getattr(self, f.name), hints[f.name], f"{self.SECTION}.{f.name}")
+            object.__setattr__(self, f.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        pass
+
+    def _need(self, ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{self.SECTION}.{key} must be {what}, got {getattr(self, key)!r}")
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list [{', '.join(_describe(a) for a in typing.get_args(hint))}]"
+    return {int: "an int", float: "a number", bool: "true or false", str: "a string", type(None): "null",
+            dict: "a mapping"}.get(typing.get_origin(hint) or hint, str(hint))
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """``value`` converted to ``hint`` (list -> tuple, int -> float), or ``ValueError`` naming ``where``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            try:
+                return _coerce(value, rest[0], where)
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be {_describe(hint)}, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ValueError(f"{where} must be {_describe(hint)}, got {value!r}")
+        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
+    if (origin or hint) is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{where} must be a mapping of names to values, got {value!r}")
+        return dict(value)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(hint)
+    if ok is None:
+        raise TypeError(f"{where}: unsupported annotation {hint!r}")
+    if not ok:
+        raise ValueError(f"{where} must be {_describe(hint)}, got {value!r}")
+    return float(value) if hint is float else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(_Section):
+    """``hf_path``: a local HF checkpoint (weights loaded). Else ``arch`` + ``hf_overrides``: a
+    random tiny HF checkpoint of that architecture (``megatron_tree.testing.tiny_hf_config``)
+    is written to a temporary directory and loaded, or with ``random_init`` only its config,
+    and Megatron initialises the weights (large shapes for benchmarks)."""
+
+    SECTION = "model"
+    hf_path: str | None = _field(None, "local Hugging Face checkpoint directory to train (config.json + safetensors)")
+    arch: str = _field("qwen3", "without hf_path: architecture of a random tiny model")
+    hf_overrides: dict[str, Any] = field(default_factory=dict, metadata={"help": "HF config keys of the tiny model"})
+    random_init: bool = _field(False, "tiny model: Megatron's random init instead of random HF weights")
+
+    def _check(self) -> None:
+        if self.hf_path is not None:
+            if self.hf_overrides:
+                raise ValueError(
+                    f"model.hf_overrides applies to the random tiny model of model.arch only, not to "
+                    f"model.hf_path={self.hf_path!r}; drop one of them"
+                )
+            if not os.path.isfile(os.path.join(self.hf_path, "config.json")):
+                raise ValueError(
+                    f"model.hf_path {self.hf_path!r} is not a Hugging Face checkpoint directory (no config.json "
+                    f"there); pass a local directory, e.g. from `huggingface-cli download Qwen/Qwen3-0.6B "
+                    f"--local-dir DIR`"
+                )
+            return
+        self._need(self.arch in ARCHS, "arch", f"one of {ARCHS} (or set model.hf_path)")
+        from megatron_tree.testing import tiny_hf_config
+
+        try:
+            tiny_hf_config(self.arch, **self.hf_overrides)
+        except ValueError as e:
+            raise ValueError(f"model.hf_overrides: {e}") from None
+        except TypeError as e:  # a value of the wrong type for the HF config class
+            raise ValueError(f"model.hf_overrides: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig(_Section):
+    SECTION = "parallel"
+    tp: int = _field(1, "tensor parallel size")
+    pp: int = _field(1, "pipeline parallel size")
+    vpp: int | None = _field(None, "virtual pipeline stages per rank (interleaved PP); num_hidden_layers % (pp*vpp) == 0")
+    ep: int = _field(1, "expert parallel size (MoE)")
+
+    def _check(self) -> None:
+        for key in ("tp", "pp", "ep"):
+            self._need(getattr(self, key) >= 1, key, "an int >= 1")
+        self._need(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp",
+                   f"null or an int >= 2 with pp >= 2 (pp={self.pp})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(_Section):
+    """Rollouts from ``path`` (JSONL or Parquet, :mod:`megatron_tree.train.data`), else synthetic
+    ones (:mod:`megatron_tree.synthetic`): ``batch_size`` prompts (grpo) or conversations
+    (multi_turn) per step, token ids in ``[0, vocab)`` (default: the model's)."""
+
+    SECTION = "data"
+    path: str | None = _field(None, "rollout file (.jsonl or .parquet, schema in the README); default: synthetic rollouts")
+    batch_size: int = _field(4, "groups per step: prompts (GRPO samples share a group) or conversations")
+    workload: str = _field("grpo", "synthetic: grpo | multi_turn")
+    samples: int = _field(4, "synthetic grpo: responses per prompt")
+    prompt_len: tuple[int, int] = _field((16, 48), "synthetic: [lo, hi] prompt (system prompt) tokens")
+    response_len: tuple[int, int] = _field((4, 24), "synthetic grpo: [lo, hi] response tokens")
+    turns: tuple[int, int] = _field((2, 4), "synthetic multi_turn: [lo, hi] turns per conversation")
+    turn_len: tuple[int, int] = _field((4, 16), "synthetic multi_turn: [lo, hi] tokens per turn")
+    fork_prob: float = _field(0.3, "synthetic multi_turn: chance a turn branches from an earlier one")
+    vocab: int | None = _field(None, "synthetic: token ids in [0, vocab); default the model's vocabulary")
+    same_batch_every_step: bool = _field(True, "synthetic: one batch for all steps (the loss visibly falls)")
+
+    def _check(self) -> None:
+        if self.path is not None:
+            self._need(self.path.endswith(DATA_SUFFIXES), "path", f"a file ending in {' or '.join(DATA_SUFFIXES)}")
+            self._need(os.path.isfile(self.path), "path", "an existing file")
+        self._need(self.workload in WORKLOADS, "workload", f"one of {WORKLOADS}")
+        for key in ("batch_size", "samples"):
+            self._need(getattr(self, key) >= 1, key, "an int >= 1")
+        for key in ("prompt_len", "response_len", "turns", "turn_len"):
+            lo, hi = getattr(self, key)
+            self._need(0 <= lo <= hi, key, "[lo, hi] with 0 <= lo <= hi")
+        self._need(self.prompt_len[0] >= 1, "prompt_len", "[lo, hi] with lo >= 1")
+        self._need(self.turn_len[0] >= 1, "turn_len", "[lo, hi] with lo >= 1")
+        self._need(0.0 <= self.fork_prob <= 1.0, "fork_prob", "in [0, 1]")
+        self._need(self.vocab is None or self.vocab >= 2, "vocab", "null or an int >= 2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(_Section):
+    SECTION = "train"
+    steps: int = _field(5, "optimizer steps in total (a resumed run continues up to this many)")
+    lr: float = _field(1e-3, "Adam learning rate (constant)")
+    seed: int = _field(0, "seed of the tiny model's weights, synthetic data and Megatron's RNG")
+    tree_training: bool = _field(True, "pack shared prefixes as trees; false: the flat baseline on the same data")
+    loss: str = _field("sft", "sft (token NLL) | grpo (PPO-clip on advantages)")
+    kl_coef: float = _field(0.0, "grpo: weight of the k3 KL to ref_logprobs (rollouts must carry them)")
+    clip_eps: float = _field(0.2, "grpo: PPO clip range")
+    recompute: str = _field("none", "activation recompute: none | full | selective")
+    bf16: bool = _field(False, "bf16 weights and activations (needs a CUDA GPU)")
+    balance: str = _field("kk", "split of a batch over data-parallel ranks: kk | ffd | round_robin")
+    attention_backend: str = _field("auto", "tree attention kernel: auto | dense | flex")
+    verify_tree_model: bool = _field(False, "at start-up, check tree log-probs against per-sequence ones")
+
+    def _check(self) -> None:
+        self._need(self.steps >= 1, "steps", "an int >= 1")
+        self._need(self.lr > 0, "lr", "> 0")
+        self._need(self.kl_coef >= 0, "kl_coef", ">= 0")
+        self._need(0 < self.clip_eps < 1, "clip_eps", "in (0, 1)")
+        for key, valid in (("loss", LOSSES), ("recompute", RECOMPUTE), ("balance", BALANCE),
+                           ("attention_backend", BACKENDS)):
+            self._need(getattr(self, key) in valid, key, f"one of {valid}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(_Section):
+    SECTION = "checkpoint"
+    save: str | None = _field(None, "directory for megatron dist checkpoints (DIR/iter_NNNNNNN)")
+    save_interval: int | None = _field(None, "save every N steps (and after the last); default: after the last only")
+    load: str | None = _field(None, "resume from this directory (its latest checkpoint) or one iter_NNNNNNN in it")
+    export_hf: str | None = _field(None, "at the end, write the trained weights as a Hugging Face checkpoint here")
+
+    def _check(self) -> None:
+        self._need(self.save_interval is None or self.save_interval >= 1, "save_interval", "null or an int >= 1")
+        if self.save_interval is not None and self.save is None:
+            raise ValueError("checkpoint.save_interval needs checkpoint.save (--save DIR): where to write")
+        if self.load is not None and not os.path.isdir(self.load):
+            self._need(False, "load", "an existing checkpoint directory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig(_Section):
+    SECTION = "logging"
+    jsonl: str | None = _field(None, "append one JSON record per step to this file (rank 0)")
+    tensorboard_dir: str | None = _field(None, "write TensorBoard scalars here (needs tensorboard)")
+    wandb_project: str | None = _field(None, "log to this Weights & Biases project (needs wandb)")
+    wandb_run_name: str | None = _field(None, "wandb run name (default: wandb's)")
+    wandb_mode: str = _field("online", "online | offline (no network; `wandb sync` later) | disabled")
+    progress: bool = _field(True, "progress bar on a terminal (never in files or pipes)")
+
+    def _check(self) -> None:
+        self._need(self.wandb_mode in WANDB_MODES, "wandb_mode", f"one of {WANDB_MODES}")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "micro_batch": MicroBatchSpec,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+DEFAULT_MICRO_BATCH = {"max_tokens_per_mb": 1024}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch: MicroBatchSpec = field(default_factory=lambda: MicroBatchSpec(**DEFAULT_MICRO_BATCH))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.kl_coef > 0 and self.train.loss != "grpo":
+            raise ValueError(f"train.kl_coef={self.train.kl_coef} applies to loss grpo only; set train.loss: grpo "
+                             f"or drop kl_coef")
+        if self.train.kl_coef > 0 and self.data.path is None:
+            raise ValueError("train.kl_coef > 0 needs reference log-probs: rollouts from data.path with ref_logprobs")
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> "RunConfig":
+        """Read ``path``, apply ``overrides`` (``{section: {key: value}}``, e.g. from flags), validate."""
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {path!r} does not exist; pass --config with a YAML file (see configs/)") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"{path}: not valid YAML{where}: {problem}") from None
+        return cls.from_dict(raw or {}, source=path, overrides=overrides)
+
+    @classmethod
+    def from_dict(
+        cls, raw: Mapping[str, Any], source: str = "config", overrides: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> "RunConfig":
+        """Build from ``{section: {key: value}}`` (a parsed YAML file) plus ``overrides``; errors name ``source``."""
+        if overrides:
+            source = f"{source} + command line"
+        try:
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"top level must be a mapping of sections {list(SECTIONS)}, got {raw!r}")
+            unknown = set(raw) - set(SECTIONS)
+            if unknown:
+                raise ValueError(f"unknown section(s) {sorted(unknown)}; valid: {list(SECTIONS)}")
+            sections = {}
+            for name, klass in SECTIONS.items():
+                values = raw.get(name)
+                if values is None:
+                    values = dict(DEFAULT_MICRO_BATCH) if klass is MicroBatchSpec else {}
+                if not isinstance(values, Mapping):
+                    raise ValueError(f"{name} must be a mapping of keys to values, got {values!r}")
+                values = {**values, **(overrides or {}).get(name, {})}
+                sections[name] = _section(name, klass, values)
+            return cls(**sections)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+def _section(name: str, klass: type, values: Mapping[str, Any]):
+    if klass is MicroBatchSpec:
+        try:
+            return MicroBatchSpec.from_dict(values)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"micro_batch: {e}") from None
+    fields = [f.name for f in dataclasses.fields(klass)]
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {sorted(unknown)}; valid: {fields}")
+    return klass(**values)

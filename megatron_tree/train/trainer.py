@@ -1,0 +1,389 @@
+"""The training loop of the launcher: Megatron's forward_backward_func and optimizer on tree micro-batches.
+
+Each step: draw a rollout batch (same on every rank), split it over data-parallel ranks by
+tree cost (``balance_across_ranks``), pack each rank's share into tree micro-batches
+(``pack_trees``; ``tree_training=False`` packs the same sequences flat, each its own chain),
+run ``tree_forward_backward`` with the configured loss, step Megatron's optimizer, write the
+step's record to the sinks, save a checkpoint when due.
+
+:class:`Trainer` holds what the run opened (process groups, patches, CPU mode, a temporary
+model directory, sinks); :meth:`Trainer.close` releases all of it, also after an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import resource
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tree import BalanceStats, MicroBatchSpec, PackingStats, balance_across_ranks, pack_trees
+from megatron_tree.losses import ppo_clip_loss, sft_loss
+from megatron_tree.train import checkpoint, metrics
+from megatron_tree.train.config import RunConfig, TrainConfig
+from megatron_tree.train.data import RolloutBatch, open_rollout_source
+
+
+def init_distributed(cfg: RunConfig, cuda: bool) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPUs; joins torchrun's job when launched by it)
+    and megatron-core's model-parallel groups, RNG tracker seeded with ``train.seed + 1``."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_tree.testing import init_cpu_distributed
+
+    p = cfg.parallel
+    if not cuda:
+        init_cpu_distributed(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, seed=cfg.train.seed + 1)
+        return
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl")
+        else:
+            port = os.environ.get("MASTER_PORT", "29511")
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (p.tp * p.pp):
+        raise ValueError(f"world size {world} is not divisible by tp * pp = {p.tp} * {p.pp}; launch a multiple of "
+                         f"{p.tp * p.pp} processes (torchrun --nproc-per-node) or lower tp/pp")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp,
+        expert_model_parallel_size=p.ep,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed + 1)
+
+
+def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
+    """ValueError unless ``num_layers`` splits evenly over ``pp`` stages of ``vpp`` chunks each."""
+    chunks = pp * (vpp or 1)
+    if num_layers % chunks:
+        what = f"pp * vpp = {pp} * {vpp}" if vpp else f"pp = {pp}"
+        raise ValueError(
+            f"the model has num_hidden_layers={num_layers}, not divisible by {what}; lower --pp/--vpp or use a "
+            f"model with a multiple of {chunks} layers (configs/tiny_qwen3_4layers.yaml has 4)"
+        )
+
+
+def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
+    """``(model chunks, optimizer, bridge)``: tree model (DDP-wrapped) and Megatron's Adam."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_tree.bridge import build_tree_model
+
+    # Tree attention also runs the flat baseline (each sequence its own chain), so both
+    # modes use the same kernels; only the packing differs.
+    bridge, model = build_tree_model(
+        path, backend=cfg.train.attention_backend, bf16=cfg.train.bf16, recompute=cfg.train.recompute,
+        load_weights=load, wrap_with_ddp=True,
+        ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+    )
+    # megatron-core's gradient clipping asserts CUDA tensors: clip on GPUs only.
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cfg.train.lr, bf16=cfg.train.bf16, clip_grad=1.0 if cuda else 0.0,
+                        use_distributed_optimizer=False),
+        model,
+    )
+    return model, optimizer, bridge
+
+
+def _range_gather(offsets: np.ndarray, ids: list[int]) -> torch.Tensor:
+    """Indices [sum len] of the ranges ``[offsets[i], offsets[i+1])`` for ``i`` in ``ids``, concatenated."""
+    ids = np.asarray(ids, dtype=np.int64)
+    starts, lens = offsets[ids], offsets[ids + 1] - offsets[ids]
+    return torch.from_numpy(np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum()))
+
+
+def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray):
+    """``loss_fn(logprobs [N], mb) -> (loss_sum, loss tokens)`` for this rank's share ``mine`` of
+    ``batch`` (``mb.sequence_ids`` index ``mine``): token-normalised SFT or PPO-clip (+ k3 KL)."""
+    target_lens = np.fromiter((len(batch.sequences[i]) - 1 for i in mine), np.int64, len(mine))
+    offsets = np.concatenate([[0], np.cumsum(target_lens)])
+
+    def targets(per_token: list[np.ndarray] | None) -> torch.Tensor | None:
+        """A per-token field at this rank's targets: entries 1.. of each sequence, [sum len - 1]."""
+        if per_token is None or not len(mine):
+            return None
+        return torch.from_numpy(np.concatenate([per_token[i][1:] for i in mine]))
+
+    mask, old = targets(batch.loss_mask), targets(batch.old_logprobs)
+    ref = targets(batch.ref_logprobs) if train.kl_coef else None
+    advantages = torch.from_numpy(batch.advantages[mine])
+
+    def loss_fn(logprobs, mb):
+        index = _range_gather(offsets, mb.sequence_ids)
+
+        def at(t):
+            return None if t is None else t[index].to(logprobs.device)
+
+        loss_mask = at(mask)
+        if train.loss == "sft":
+            loss, m = sft_loss(logprobs, mb.cu_seqlens, loss_mask=loss_mask, reduction="sum")
+            return loss, m["normalizer"]
+        current = logprobs.detach()
+        old_lp = current if old is None else torch.where(torch.isnan(at(old)), current, at(old))
+        adv = advantages[mb.sequence_ids].to(logprobs)
+        per_token = adv.repeat_interleave(mb.cu_seqlens.diff().long(), output_size=logprobs.numel())
+        loss, m = ppo_clip_loss(logprobs, old_lp, per_token, mb.cu_seqlens, loss_mask=loss_mask,
+                                clip_eps=train.clip_eps, reduction="sum")
+        if ref is not None:
+            delta = at(ref) - logprobs
+            kl = delta.exp() - delta - 1.0  # k3 estimator of KL(policy || reference), per token
+            loss = loss + train.kl_coef * (kl if loss_mask is None else kl * loss_mask).sum()
+        return loss, m["normalizer"]
+
+    return loss_fn
+
+
+def peak_memory_gib(cuda: bool) -> float:
+    """Peak GPU memory allocated (CUDA) or peak resident host memory of this process (CPU), GiB."""
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, cuda) -> dict[str, Any]:
+    """Global (all-rank) metrics of step ``step`` (1-based); the loss is summed on the last
+    pipeline stage, then shared over the whole world so every rank reports the same value."""
+    from megatron.core import parallel_state as ps
+
+    device = "cuda" if cuda else "cpu"
+    num = torch.zeros(3, dtype=torch.float64, device=device)
+    for item in losses:
+        num[:2] += item["loss"].to(num)
+    num[2] = peak_memory_gib(cuda)
+    stats = PackingStats.of(mbs, spec.max_tokens_per_mb)
+    tokens = torch.tensor([stats.original_tokens, stats.tree_tokens], dtype=torch.float64, device=device)
+    dist.all_reduce(num[:2])  # only last-stage ranks of each DP replica contribute, once per TP rank
+    num[:2] /= ps.get_tensor_model_parallel_world_size()
+    peak = num[2:].clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    dp_group = ps.get_data_parallel_group()
+    per_rank = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(ps.get_data_parallel_world_size())]
+    dist.all_gather(per_rank, torch.tensor([len(mbs), stats.tree_tokens], dtype=torch.float64, device=device),
+                    group=dp_group)
+    dist.all_reduce(tokens, group=dp_group)
+    original, tree = tokens.tolist()
+    rank_tokens = [sum(len(seqs[i]) for i in idx) for idx in shares]
+    return dict(
+        step=step,
+        loss=float(num[0] / num[1].clamp(min=1)),
+        loss_tokens=int(num[1]),
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        step_s=step_s,
+        pack_s=pack_s,
+        tokens_per_s=original / step_s,
+        tree_tokens_per_s=tree / step_s,
+        original_tokens=int(original),
+        tree_tokens=int(tree),
+        tree_token_ratio=tree / original,
+        micro_batches=len(mbs),
+        mb_imbalance=stats.balance.imbalance,
+        mb_utilisation=stats.balance.utilisation,
+        dp_token_imbalance=BalanceStats.of(rank_tokens).imbalance,
+        dp_micro_batches=[int(r[0]) for r in per_rank],
+        dp_tree_tokens=[int(r[1]) for r in per_rank],
+        dp_tree_token_imbalance=BalanceStats.of([float(r[1]) for r in per_rank]).imbalance,
+        peak_mem_gib=float(peak[0]),
+    )
+
+
+class Trainer:
+    """One training run of ``cfg``: everything is set up in ``__init__`` (on every rank),
+    :meth:`train` runs the remaining steps, :meth:`close` releases what was opened."""
+
+    def __init__(self, cfg: RunConfig, *, config_source: str = "defaults"):
+        self.cfg = cfg
+        self.cuda = torch.cuda.is_available()
+        if cfg.train.bf16 and not self.cuda:
+            raise ValueError("train.bf16 (--bf16) needs a CUDA GPU: megatron-core's bf16 optimizer keeps CUDA "
+                             "tensors; drop --bf16 to train in fp32 on CPU")
+        self._stack = contextlib.ExitStack()
+        self._tmp_dir: str | None = None
+        self.sinks: list = []
+        self.console: metrics.ConsoleSink | None = None
+        self.iteration = 0
+        self._closed = False
+        try:
+            self._setup(config_source)
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def _setup(self, config_source: str) -> None:
+        cfg = self.cfg
+        from megatron.core import parallel_state as ps
+
+        from megatron_tree.patches import apply_compat_patches
+        from megatron_tree.testing import cpu_mode
+
+        # cpu_mode is a no-op on GPUs; the compat patches stay open for the whole run because
+        # some are needed at run time (MoE on megatron-core 0.16.1 without Transformer Engine).
+        self._stack.enter_context(apply_compat_patches())
+        self._stack.enter_context(cpu_mode())
+        self._stack.callback(self._destroy_distributed)
+        random.seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        init_distributed(cfg, self.cuda)
+        self.rank = dist.get_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
+
+        path, load = self._model_path()
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+        check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
+        self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
+        from megatron_tree.model_check import check_tree_model
+
+        check_tree_model(self.model)  # tree attention and per-token RoPE in every chunk, or one clear error
+        if cfg.train.verify_tree_model:
+            from megatron_tree.verify import verify_tree_model
+
+            report = verify_tree_model(self.model)  # raises when the tree path is not exact
+            self._info(f"verify_tree_model: {report}")
+        self.vocab = self.bridge.hf_config.vocab_size
+        p, mb = cfg.parallel, cfg.micro_batch
+        divisor = (self.model[0].config.microbatch_group_size_per_vp_stage or p.pp) if p.vpp else 1
+        self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor))
+        self.source = open_rollout_source(
+            cfg.data, vocab=self.vocab, max_len=mb.max_tokens_per_mb, seed=cfg.train.seed,
+            need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.kl_coef > 0,
+        )
+        if cfg.checkpoint.load:
+            self.iteration, position, rng_restored = checkpoint.load_checkpoint(
+                cfg.checkpoint.load, self.model, self.optimizer)
+            self.source.restore(position)
+            self._info(f"resumed from {checkpoint.resolve_checkpoint(cfg.checkpoint.load)} at iteration "
+                       f"{self.iteration}" + ("" if rng_restored else " (RNG state not restored: other world size)"))
+        if self.rank == 0:
+            self._open_sinks(config_source)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _model_path(self) -> tuple[str, bool]:
+        """(HF directory, whether to load its weights). Without ``model.hf_path``, rank 0 writes a
+        random tiny HF checkpoint (only its config with ``random_init``) to a temporary directory
+        that :meth:`close` removes; every rank reads it (one host)."""
+        from megatron_tree.testing import save_hf_config, save_tiny_hf_checkpoint
+
+        m = self.cfg.model
+        if m.hf_path:
+            return m.hf_path, True
+        name = [tempfile.mkdtemp(prefix=f"megatron_tree_{m.arch}_") if self.rank == 0 else None]
+        dist.broadcast_object_list(name, src=0)
+        self._tmp_dir = name[0]
+        if m.random_init:
+            return save_hf_config(m.arch, self._tmp_dir, **m.hf_overrides), False
+        return save_tiny_hf_checkpoint(m.arch, self._tmp_dir, seed=self.cfg.train.seed, **m.hf_overrides), True
+
+    def _open_sinks(self, config_source: str) -> None:
+        log, resumed = self.cfg.logging, self.iteration > 0
+        self.console = metrics.ConsoleSink(steps=self.cfg.train.steps, first_step=self.iteration,
+                                           desc="tree" if self.cfg.train.tree_training else "flat",
+                                           progress=log.progress)
+        self.sinks.append(self.console)
+        if log.jsonl:
+            self.sinks.append(metrics.JsonlSink(log.jsonl, append=resumed))
+        if log.tensorboard_dir:
+            self.sinks.append(metrics.TensorBoardSink(log.tensorboard_dir))
+        if log.wandb_project:
+            config = {"config_file": config_source, **dataclasses.asdict(self.cfg)}
+            self.sinks.append(metrics.WandbSink(log.wandb_project, name=log.wandb_run_name, mode=log.wandb_mode,
+                                                config=config))
+
+    def _info(self, message: str) -> None:
+        if self.rank != 0:
+            return
+        if self.console is not None:
+            self.console.info(message)
+        else:
+            print(message, flush=True)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run steps ``iteration + 1 .. train.steps``; returns their records (same on every rank)."""
+        records = []
+        ckpt = self.cfg.checkpoint
+        while self.iteration < self.cfg.train.steps:
+            records.append(self.step(self.source.next_batch()))
+            last = self.iteration == self.cfg.train.steps
+            if ckpt.save and (last or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
+                path = checkpoint.save_checkpoint(ckpt.save, self.iteration, self.model, self.optimizer,
+                                                  data=self.source.state())
+                self._info(f"saved checkpoint {path}")
+        if ckpt.export_hf:
+            self.export_hf(ckpt.export_hf)
+        return records
+
+    def step(self, batch: RolloutBatch) -> dict[str, Any]:
+        """One optimizer step on ``batch``; returns the step's record (written to the sinks)."""
+        from megatron_tree.schedule import tree_forward_backward
+
+        seqs = batch.sequences
+        if self.dp > 1:
+            shares = balance_across_ranks(seqs, self.dp, algorithm=self.cfg.train.balance)
+        else:
+            shares = [np.arange(len(seqs))]
+        mine = np.asarray(shares[self.dp_rank], dtype=np.int64)
+        t0 = time.perf_counter()
+        mbs = pack_trees([seqs[i] for i in mine], self.spec, dp_group=self.dp_group,
+                         share_prefixes=self.cfg.train.tree_training)
+        pack_s = time.perf_counter() - t0
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = tree_forward_backward(self.model, mbs, make_loss_fn(self.cfg.train, batch, mine))
+        _, grad_norm, _ = self.optimizer.step()
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.iteration += 1
+        record = step_record(self.iteration, losses, mbs, self.spec, seqs, shares, time.perf_counter() - t0, pack_s,
+                             grad_norm, self.cuda)
+        for sink in self.sinks:
+            sink.write(record)
+        return record
+
+    def export_hf(self, path: str) -> None:
+        """Write the current weights as a Hugging Face checkpoint to ``path`` (mbridge; rank 0 writes)."""
+        self.bridge.save_weights(self.model, path)
+        dist.barrier()
+        self._info(f"exported Hugging Face checkpoint {path}")
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self, *, failed: bool = False) -> None:
+        """Close the sinks, remove the temporary model directory, tear down the process groups and
+        leave CPU mode / the patches. Idempotent. ``failed``: skip the final barrier (other ranks
+        may be gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for sink in self.sinks:
+                sink.close()
+            if dist.is_initialized() and not failed:
+                dist.barrier()
+            if self._tmp_dir and (not dist.is_initialized() or dist.get_rank() == 0):
+                shutil.rmtree(self._tmp_dir, ignore_errors=True)
+        finally:
+            self._stack.close()
+
+    @staticmethod
+    def _destroy_distributed() -> None:
+        from megatron_tree.testing import destroy_cpu_distributed
+
+        destroy_cpu_distributed()
