@@ -9,12 +9,13 @@
 # picks what runs; the 2-GPU ones are skipped on one GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 LOG="$OUT/te_checks.log"
 bash .te/te-setup.sh 2>&1 | grep -v -i warn | tail -2 | tee "$LOG"
 ngpu=$(nvidia-smi -L | wc -l)
-echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu, commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)" | tee -a "$LOG"
+echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu" | tee -a "$LOG"
 python3 -c "import transformer_engine, megatron.core as m; print('TE', transformer_engine.__version__, 'megatron-core', m.__version__)" 2>/dev/null | tee -a "$LOG"
 run() {  # run NAME CMD...: one check, its output filtered into the log
   echo "== $1" | tee -a "$LOG"; shift

@@ -16,8 +16,10 @@ registered by name (:func:`register_tree_attention_backend`): ``"dense"`` materi
 ``[s, s]`` mask (:func:`~megatron_tree.masks.dense_tree_mask`) and calls PyTorch SDPA (the
 reference; any device); ``"flex"`` runs block-sparse FlexAttention from the interval vector
 (:mod:`megatron_tree.flex_attention`; CUDA, b = 1, no attention dropout); ``"auto"`` (the
-default) picks ``"flex"`` where it runs (CUDA, b = 1, head dim >= 16, no attention dropout)
-and ``"dense"`` elsewhere.
+default) sends a micro-batch without a branch (a forest of chains) in bf16/fp16 to Transformer
+Engine's cuDNN varlen attention when TE is installed (:mod:`megatron_tree.chain_attention`), picks
+``"flex"`` where it runs (CUDA, b = 1, head dim >= 16, no attention dropout) and ``"dense"``
+elsewhere.
 """
 
 from __future__ import annotations
@@ -132,19 +134,37 @@ def _flex_eligible(subtree_end: torch.Tensor) -> bool:
     return subtree_end.is_cuda and subtree_end.shape[0] == 1
 
 
-def _auto_prepare(subtree_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(subtree_end, dense mask or None)``: the flex block mask (cached by the flex module)
-    where FlexAttention runs, the dense mask elsewhere."""
+def _chains_eligible(subtree_end: torch.Tensor) -> bool:
+    from megatron_tree.config_overrides import have_transformer_engine
+
+    return subtree_end.is_cuda and subtree_end.shape[0] == 1 and have_transformer_engine()
+
+
+def _auto_prepare(subtree_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """``(subtree_end, dense mask or None, chains or None)``. ``chains`` = ``(cu_seqlens,
+    max_seqlen)`` when the micro-batch has no branch and TE's fused attention is available; the
+    flex block mask (cached by the flex module) where FlexAttention runs; the dense mask elsewhere."""
+    if _chains_eligible(subtree_end):
+        from megatron_tree.chain_attention import chain_segments
+
+        cu = chain_segments(subtree_end)
+        if cu is not None:
+            return subtree_end, None, (cu, int((cu[1:] - cu[:-1]).max()))
     if _flex_eligible(subtree_end):
-        return _flex_prepare(subtree_end), None
-    return subtree_end, _dense_prepare(subtree_end)
+        return _flex_prepare(subtree_end), None, None
+    return subtree_end, _dense_prepare(subtree_end), None
 
 
 def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
-    # Block-sparse FlexAttention where it runs (CUDA, b = 1, head dim >= 16, no attention
-    # dropout; measured fastest in benchmarks/attention_bench.py), else the dense reference
-    # (FlexAttention has no CPU backward).
-    subtree_end, dense_mask = prepared
+    # A micro-batch without a branch in bf16/fp16: varlen causal attention by TE's cuDNN kernel
+    # (the fastest dense kernel on Hopper). Otherwise block-sparse FlexAttention where it runs
+    # (CUDA, b = 1, head dim >= 16, no attention dropout; measured fastest in
+    # benchmarks/attention_bench.py), else the dense reference (FlexAttention has no CPU backward).
+    subtree_end, dense_mask, chains = prepared
+    if chains is not None and not dropout_p and query.dtype in (torch.bfloat16, torch.float16):
+        from megatron_tree.chain_attention import te_chain_attention
+
+        return te_chain_attention(query, key, value, *chains, scale=scale)
     if dense_mask is None and query.shape[-1] >= 16 and not dropout_p:
         return _flex_attend(query, key, value, subtree_end, scale=scale, dropout_p=dropout_p)
     if dense_mask is None:  # CUDA with a head dim or dropout flex lacks: dense, cached per mask

@@ -8,6 +8,7 @@ combines them for a run; :func:`megatron_tree.bridge.build_tree_model` applies i
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -47,7 +48,8 @@ def te_overrides(*, moe: bool, wrap_with_ddp: bool) -> dict[str, Any]:
 
     Fused RoPE (TE's sbhd kernel takes the per-token table tree RoPE gathers, batch 1),
     bias-activation and bias-dropout fusion, gradient-accumulation fusion when the model is
-    wrapped in Megatron's DDP (it writes into ``param.main_grad``, which only DDP allocates);
+    wrapped in Megatron's DDP (it writes into ``param.main_grad``, which only DDP allocates) and
+    apex's ``fused_weight_gradient_mlp_cuda`` is installed (megatron-core's output layer needs it);
     for MoE TE's grouped-GEMM experts (``TEGroupedMLP``, whose weights mbridge maps), the
     all-to-all dispatcher with fused permutation and variable micro-batch lengths. mbridge
     keeps sequence parallel on whenever TP > 1; the schedule pads micro-batches to a multiple
@@ -57,7 +59,8 @@ def te_overrides(*, moe: bool, wrap_with_ddp: bool) -> dict[str, Any]:
         apply_rope_fusion=True,
         bias_activation_fusion=True,
         bias_dropout_fusion=True,
-        gradient_accumulation_fusion=wrap_with_ddp,
+        # megatron-core's own linears (the output layer) need apex's CUDA extension for it.
+        gradient_accumulation_fusion=wrap_with_ddp and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
     )
     if moe:
         extra.update(

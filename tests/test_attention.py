@@ -271,3 +271,49 @@ def test_flex_backend_matches_dense_on_cuda():
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_chain_segments_finds_chain_forests_only():
+    from megatron_tree.chain_attention import chain_segments
+
+    # two chains of 3 and 2 slots, then 2 padding slots (each its own subtree)
+    chains = torch.tensor([[3, 3, 3, 5, 5, 6, 7]], dtype=torch.int32)
+    assert chain_segments(chains).tolist() == [0, 3, 5, 6, 7]
+    # a prompt of 2 slots with two children of 1 and 2 slots: a branch
+    branching = torch.tensor([[5, 5, 3, 5, 5]], dtype=torch.int32)
+    assert chain_segments(branching) is None
+    assert chain_segments(torch.tensor([[1]], dtype=torch.int32)).tolist() == [0, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Transformer Engine's fused attention needs CUDA")
+def test_chain_forest_through_te_matches_dense_bf16():
+    """A micro-batch without a branch runs on TE's cuDNN varlen kernel under ``auto`` (when TE is
+    installed) and stays within the dense bf16 path's own error of the fp32 reference."""
+    pytest.importorskip("transformer_engine")
+    from megatron_tree import chain_attention
+
+    torch.manual_seed(0)
+    lens = [37, 300, 5, 128]
+    end = torch.cat([torch.full((n,), sum(lens[: i + 1])) for i, n in enumerate(lens)]).int()[None].cuda()
+    s = end.shape[1]
+    q = torch.randn(s, 1, 8, 64, device="cuda", requires_grad=True)
+    k = torch.randn(s, 1, 2, 64, device="cuda", requires_grad=True)
+    v = torch.randn(s, 1, 2, 64, device="cuda", requires_grad=True)
+    calls = []
+    real = chain_attention.te_chain_attention
+    chain_attention.te_chain_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        def run(backend, dtype):
+            args = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+            out = tree_attention(*args, end, backend=backend)
+            out.float().square().sum().backward()
+            return [out.float()] + [a.grad.float() for a in args]
+
+        ref = run("dense", torch.float32)
+        auto = run("auto", torch.bfloat16)
+        dense = run("dense", torch.bfloat16)
+    finally:
+        chain_attention.te_chain_attention = real
+    assert calls, "auto did not take the TE chain path"
+    for got, base, want in zip(auto, dense, ref):
+        assert (got - want).abs().max() <= 2 * (base - want).abs().max() + 1e-3
