@@ -142,10 +142,11 @@ def _packed_params(t: int, fmt: str):
 )
 def test_tree_model_refuses_wrong_direct_call(megatron_cpu, mbs, case, error, message):
     model = build(megatron_cpu).eval()
-    mb = mbs[0]
+    device = next(model.parameters()).device
+    mb = mbs[0].to(device)
     t = mb.num_slots
     ids, pos, mask = mb.input_ids, mb.position_ids, mb.attention_mask
-    dense = torch.ones(t, t, dtype=torch.bool).tril()  # True = attend
+    dense = torch.ones(t, t, dtype=torch.bool, device=device).tril()  # True = attend
     call = {
         "no_mask": lambda: model(ids, pos, None),
         "dense_bool_mask": lambda: model(ids, pos, ~dense[None, None]),  # Megatron: True = masked out
