@@ -40,6 +40,7 @@ from megatron_tree.masks import dense_tree_mask
 __all__ = [
     "TreeAttentionBackend",
     "TreeCoreAttention",
+    "TreeCoreAttentionTE",
     "get_tree_attention_backend",
     "register_tree_attention_backend",
     "tree_attention",
@@ -423,3 +424,20 @@ class TreeCoreAttention(MegatronModule):
             dropout_p=dropout_p,
             backend=self.backend,
         )
+
+
+class TreeCoreAttentionTE(TreeCoreAttention):
+    """:class:`TreeCoreAttention` in place of Transformer Engine's ``TEDotProductAttention``.
+
+    TE modules keep FP8 scaling state as ``_extra_state``, so TE-spec checkpoints (torch and
+    megatron dist checkpoints) hold ``...core_attention._extra_state``. This module keeps that
+    entry, empty (what TE writes without FP8): checkpoints move both ways between a tree model and
+    the upstream TE model with strict loading. Loaded FP8 attention state is dropped: tree
+    attention runs no FP8 kernel.
+    """
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        return None

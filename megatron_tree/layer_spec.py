@@ -1,6 +1,7 @@
 """Turn an upstream GPT layer spec into a tree-attention one.
 
-Only the self-attention's ``core_attention`` (-> :class:`~megatron_tree.attention.TreeCoreAttention`)
+Only the self-attention's ``core_attention`` (-> :class:`~megatron_tree.attention.TreeCoreAttention`;
+:class:`~megatron_tree.attention.TreeCoreAttentionTE` where it was Transformer Engine's)
 and its ``attn_mask_type`` (-> ``AttnMaskType.arbitrary``; with the default causal type, the
 stock fused softmax silently ignores a user mask) change; every other submodule — QKV/proj
 linears, q/k norms, MLP or MoE, layer norms — is kept as the upstream spec built it.
@@ -19,6 +20,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from megatron_tree.attention import (
     TreeCoreAttention,
+    TreeCoreAttentionTE,
     check_tree_attention_config,
     get_tree_attention_backend,
 )
@@ -29,6 +31,14 @@ __all__ = ["tree_layer_spec"]
 def _module_name(spec) -> str:
     module = get_module(spec) if isinstance(spec, ModuleSpec) else spec
     return getattr(module, "__qualname__", repr(module))
+
+
+def _tree_core_attention(upstream) -> type[TreeCoreAttention]:
+    """:class:`TreeCoreAttentionTE` in place of Transformer Engine's core attention (its checkpoints
+    carry ``core_attention._extra_state``), :class:`TreeCoreAttention` elsewhere."""
+    module = get_module(upstream) if isinstance(upstream, ModuleSpec) else upstream
+    te = isinstance(module, type) and any(c.__name__ == "TEDotProductAttention" for c in module.__mro__)
+    return TreeCoreAttentionTE if te else TreeCoreAttention
 
 
 def _tree_layer(layer: ModuleSpec, index: int, backend: str) -> ModuleSpec:
@@ -58,7 +68,7 @@ def _tree_layer(layer: ModuleSpec, index: int, backend: str) -> ModuleSpec:
         params={**attn.params, "attn_mask_type": AttnMaskType.arbitrary},
         submodules=dataclasses.replace(
             attn.submodules,
-            core_attention=ModuleSpec(module=TreeCoreAttention, params={"backend": backend}),
+            core_attention=ModuleSpec(module=_tree_core_attention(attn.submodules.core_attention), params={"backend": backend}),
         ),
     )
     return dataclasses.replace(

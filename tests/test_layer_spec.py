@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -88,3 +89,27 @@ def test_refuses_unconvertible_configs():
         tree_layer_spec(spec, config=config(context_parallel_size=2))
     with pytest.raises(ValueError, match="unknown tree attention backend"):
         tree_layer_spec(spec, backend="nope")
+
+
+def test_te_core_attention_becomes_tree_attention_that_keeps_te_extra_state(cpu_megatron):
+    """In place of TE's TEDotProductAttention (recognised by class name, so this runs without TE)
+    the spec builds TreeCoreAttentionTE, whose state dict keeps TE's empty ``_extra_state``."""
+    from megatron_tree.attention import TreeCoreAttentionTE
+
+    class TEDotProductAttention(DotProductAttention):  # stands in for megatron's TE wrapper
+        pass
+
+    spec = get_gpt_layer_local_spec()
+    te_spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=dataclasses.replace(
+            spec.submodules.self_attention, submodules=dataclasses.replace(
+                spec.submodules.self_attention.submodules, core_attention=TEDotProductAttention))))
+    assert tree_layer_spec(spec).submodules.self_attention.submodules.core_attention.module is TreeCoreAttention
+    core = tree_layer_spec(te_spec).submodules.self_attention.submodules.core_attention
+    assert core.module is TreeCoreAttentionTE
+    attn = TreeCoreAttentionTE(config(), 1, AttnMaskType.arbitrary, "self")
+    state = attn.state_dict()
+    assert list(state) == ["_extra_state"] and state["_extra_state"].numel() == 0
+    # TE's FP8 scaling state (a non-empty pickled tensor) loads strictly and is dropped.
+    attn.load_state_dict({"_extra_state": torch.ones(5, dtype=torch.uint8)}, strict=True)
+    assert not TreeCoreAttention(config(), 1, AttnMaskType.arbitrary, "self").state_dict()
