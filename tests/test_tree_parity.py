@@ -174,3 +174,19 @@ def test_patch_leaves_nothing_behind(checkpoints):
     assert not isinstance(flat.rotary_pos_emb, TreeRotaryEmbedding)
     tree = build_model(checkpoints["qwen3"], tree=True)[0]
     assert sum(isinstance(m, TreeCoreAttention) for m in tree.modules()) == 2
+
+
+def test_te_checkpoints_move_between_tree_and_upstream(checkpoints):
+    """On the TE spec a tree model's state dict (torch and megatron dist checkpointing) has the
+    upstream model's keys, TE's ``core_attention._extra_state`` included: strict loads both ways."""
+    from megatron_tree.config_overrides import have_transformer_engine
+
+    if not have_transformer_engine():
+        pytest.skip("needs Transformer Engine (the TE spec)")
+    tree = build_model(checkpoints["qwen3"], tree=True)[0]
+    flat = build_model(checkpoints["qwen3"], tree=False)[0]
+    assert any(k.endswith("core_attention._extra_state") for k in flat.state_dict())
+    assert tree.state_dict().keys() == flat.state_dict().keys()
+    assert tree.sharded_state_dict().keys() == flat.sharded_state_dict().keys()
+    tree.load_state_dict(flat.state_dict(), strict=True)
+    flat.load_state_dict(tree.state_dict(), strict=True)
