@@ -152,18 +152,20 @@ def tree_loss_func(
     return loss_func
 
 
-def _finalize_grads_for_training(chunks: list[torch.nn.Module], config) -> str:
+def _finalize_grads_for_training(chunks: list[torch.nn.Module], config) -> None:
     """Make ``config.finalize_model_grads_func`` divide the gradients by the global count and
-    reduce them over data-parallel ranks; returns what it found or did, for the log.
+    reduce them over data-parallel ranks.
 
     A function already set is kept (the user's own, or megatron-core's). Unset on chunks wrapped
     in Megatron's DDP (or anything with its ``finish_grad_sync`` / ``scale_gradients``): set to
-    megatron-core's ``finalize_model_grads``, as Megatron's training loop does. Unset on other
-    chunks: ``ValueError``, since the schedule would leave the gradients as undivided sums.
+    megatron-core's ``finalize_model_grads``, as Megatron's training loop does, and logged (INFO).
+    Unset on other chunks: ``ValueError``, since the schedule would leave the gradients as
+    undivided sums.
     """
     if config.finalize_model_grads_func is not None:
-        return f"gradients finalised by config.finalize_model_grads_func={config.finalize_model_grads_func!r}"
-    unwrapped = [type(c).__name__ for c in chunks if not (hasattr(c, "finish_grad_sync") and hasattr(c, "scale_gradients"))]
+        return
+    wrapped = [hasattr(c, "finish_grad_sync") and hasattr(c, "scale_gradients") for c in chunks]
+    unwrapped = [type(c).__name__ for c, ok in zip(chunks, wrapped) if not ok]
     if unwrapped:
         raise ValueError(
             f"cannot train: config.finalize_model_grads_func is unset and the model ({', '.join(unwrapped)}) is not "
@@ -177,9 +179,9 @@ def _finalize_grads_for_training(chunks: list[torch.nn.Module], config) -> str:
     from megatron.core.distributed import finalize_model_grads
 
     config.finalize_model_grads_func = finalize_model_grads
-    return (
-        "gradients finalised by megatron.core.distributed.finalize_model_grads (config.finalize_model_grads_func "
-        "was unset: set now, as Megatron's training loop does; it divides by the global count and reduces over DP)"
+    _log.info(
+        "config.finalize_model_grads_func was unset: set to megatron.core.distributed.finalize_model_grads, as "
+        "Megatron's training loop does (gradients divided by the global count and reduced over data-parallel ranks)"
     )
 
 
@@ -200,11 +202,11 @@ def tree_forward_backward(
     ``calculate_per_token_loss``, no context parallel, a micro-batch count that interleaved
     PP accepts. To train (``forward_only=False``) it needs ``config.finalize_model_grads_func``:
     set to megatron-core's ``finalize_model_grads`` when unset on a model wrapped in Megatron's
-    DDP, else ``ValueError`` (see the module docstring). The first call for a model logs (INFO,
-    logger ``megatron_tree.schedule``) its parameters' dtype and how gradients are finalised.
-    With pipeline parallel, or MoE over expert-parallel ranks, and ``variable_seq_lengths`` off, every micro-batch on every rank
-    is padded to one slot length (one MAX all-reduce over the world); otherwise each keeps
-    its own length.
+    DDP (logged, INFO, logger ``megatron_tree.schedule``), else ``ValueError`` (see the module
+    docstring). The first call for a model logs its parameters' dtype (INFO).
+    With pipeline parallel, or MoE over expert-parallel ranks, and ``variable_seq_lengths``
+    off, every micro-batch on every rank is padded to one slot length (one MAX all-reduce
+    over the world); otherwise each keeps its own length.
     ``tp_group`` defaults to Megatron's tensor-parallel group.
     """
     chunks = model if isinstance(model, list) else [model]
@@ -240,12 +242,11 @@ def _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, 
             "normalised by counts summed over all micro-batches, so tree and flat steps agree exactly "
             "(set it, e.g. bridge.set_extra_args(calculate_per_token_loss=True))"
         )
-    finalize = "forward only" if forward_only else _finalize_grads_for_training(chunks, config)
+    if not forward_only:
+        _finalize_grads_for_training(chunks, config)
     if chunks[0] not in _ANNOUNCED:
         _ANNOUNCED.add(chunks[0])
-        dtype = next(chunks[0].parameters()).dtype
-        entry = "flat_forward_backward" if thd else "tree_forward_backward"
-        _log.info("%s: model parameters are %s; %s", entry, dtype, finalize)
+        _log.info("model parameters are %s (log-probs in fp32 from the logits)", next(chunks[0].parameters()).dtype)
     if parallel_state.get_context_parallel_world_size() > 1:
         raise ValueError(
             f"context parallel size {parallel_state.get_context_parallel_world_size()} is not supported "

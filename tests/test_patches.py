@@ -111,7 +111,8 @@ class _Frozen:
 def test_patch_failure_during_apply_reverts_what_was_applied(monkeypatch):
     real = mbridge_patches.compat_patches
     # the last patch cannot apply: the ones applied before it must be reverted
-    monkeypatch.setattr(mbridge_patches, "compat_patches", lambda: real() + [mbridge_patches.AttrPatch(_Frozen(), "x", 0)])
+    failing = mbridge_patches.AttrPatch(_Frozen(), "x", 0)
+    monkeypatch.setattr(mbridge_patches, "compat_patches", lambda: real() + [failing])
     before = Bridge.get_model, llm_bridge.get_gpt_decoder_block_spec
     with pytest.raises(RuntimeError, match="boom"):
         with apply_compat_patches():

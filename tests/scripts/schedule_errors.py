@@ -57,6 +57,9 @@ def main():
         config.calculate_per_token_loss = False
         expect(lambda: tree_forward_backward(model, mbs, good_loss), "calculate_per_token_loss=True")
         config.calculate_per_token_loss = True
+        # Not wrapped in DDP and no finalize_model_grads_func: gradients would never be divided.
+        expect(lambda: tree_forward_backward(model, mbs, good_loss), "finalize_model_grads_func is unset")
+        config.finalize_model_grads_func = lambda *args, **kwargs: None  # the user's own: kept as it is
         if args.vpp:
             three = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=3))
             assert len(three) == 3
