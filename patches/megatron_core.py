@@ -56,6 +56,10 @@ class _WeightedRouterStatistics:
     def routing(self, logits, padding_mask=None):
         weights = self.slot_weights(padding_mask)
         tokens = logits.shape[0] * logits.shape[1]
+        if weights is not None and weights.multiplicity.shape[0] != tokens and self.router.config.sequence_parallel:
+            # This rank routes its sequence-parallel slice of the slots. Binding refused routers
+            # with statistics under sequence parallel, so there is nothing to weigh.
+            weights = None
         if weights is not None and weights.multiplicity.shape[0] != tokens:
             raise ValueError(
                 f"the router got {tokens} tokens but its padding mask stands for a micro-batch of "
