@@ -4,10 +4,14 @@
     python benchmarks/e2e_bench.py --model tiny --scale 0.02 --max-tokens-per-mb 256 --out /tmp/e2e.json  # CPU smoke
 
 Flat = every sequence its own causal chain, packed several to a micro-batch up to the same
-``max_tokens_per_mb`` (block-diagonal causal attention through the same block-sparse
-kernel: a varlen flash-class baseline). Tree = prefix trees. Both run Megatron's
-``forward_backward_func`` + optimizer step on the same bf16 model. Reported per workload:
-median step time (and the optimizer's share of it), tokens/s of original tokens, peak
+``max_tokens_per_mb``. With Transformer Engine that is Megatron's sequence packing: the upstream
+model, each sequence a THD segment through TE's cuDNN fused attention
+(``flat_forward_backward``; baseline ``te_thd_cudnn`` in the JSON). Without TE, flat
+micro-batches run through the tree model's own kernel (``tree_kernel_chains``). Tree = prefix
+trees. Both run Megatron's ``forward_backward_func`` + optimizer step on the same bf16 model
+shape, initialised alike. Reported per workload: median step time and its spread over the
+timed steps (and the optimizer's share), tokens/s of original tokens, model TFLOP/s (each mode's
+own FLOPs / its step time), peak
 memory, the largest micro-batch, token ratio, the FLOP-ideal
 speedup (FLOPs flat / FLOPs tree, linear layers by tokens and attention by computed
 (query, key) pairs, on the single global trie), the same ratio for the trees as packed
@@ -217,18 +221,21 @@ def main():
         hf_config = AutoConfig.from_pretrained(path)
         vocab = hf_config.vocab_size
         per_token, per_pair = flops_per_token_and_pair(hf_config)
-        model = optimizer = None
-        for mode in ("flat", "tree"):
-            if model is None or te:
-                model = optimizer = None
-                gc.collect()
-                torch.cuda.empty_cache() if cuda else None
-                model, optimizer = build(path, tree=mode == "tree" or not te, bf16=cuda, recompute=args.recompute,
-                                         cuda=cuda)
-            run = flat_forward_backward if mode == "flat" and te else tree_forward_backward
-            for name in args.workloads.split(","):
-                seqs = workloads(name, np.random.default_rng(0), vocab, args.scale)
-                row = rows.setdefault(name, workload_row(args, name, seqs, per_token, per_pair, baseline))
+        # Workload by workload, flat then tree; the mode order alternates so that, with TE (one
+        # model per mode), consecutive runs share a model: flat tree | tree flat | flat tree ...
+        model = optimizer = built = None
+        for i, name in enumerate(args.workloads.split(",")):
+            seqs = workloads(name, np.random.default_rng(0), vocab, args.scale)
+            row = rows.setdefault(name, workload_row(args, name, seqs, per_token, per_pair, baseline))
+            for mode in ("flat", "tree") if i % 2 == 0 else ("tree", "flat"):
+                tree_model = mode == "tree" or not te
+                if built != tree_model:
+                    model = optimizer = None
+                    gc.collect()
+                    torch.cuda.empty_cache() if cuda else None
+                    model, optimizer = build(path, tree=tree_model, bf16=cuda, recompute=args.recompute, cuda=cuda)
+                    built = tree_model
+                run = flat_forward_backward if mode == "flat" and te else tree_forward_backward
                 mbs = pack_trees(seqs, spec, share_prefixes=mode == "tree", pad_to_multiple_of=128)
                 times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, run, args.warmup, args.steps)
                 step_s = statistics.median(times)
@@ -241,21 +248,25 @@ def main():
                                  tflops_per_s=flops / step_s / 1e12)
                 if args.profile:
                     row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))
-                if mode == "tree":
-                    finish_row(row, per_token, per_pair)
-                    print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
-                          f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
-                          f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['tflops_per_s']:.0f}TF/"
-                          f"{row['flat']['peak_mem_gib'] or 0:.1f}GiB "
-                          f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['tflops_per_s']:.0f}TF/"
-                          f"{row['tree']['peak_mem_gib'] or 0:.1f}GiB "
-                          f"spread={row['flat']['step_spread']:.3f}/{row['tree']['step_spread']:.3f}", flush=True)
-                    for m in ("flat", "tree") if args.profile else ():
-                        print(f"  {m} profile: {json.dumps(row[m]['profile'])}", flush=True)
-                with open(args.out, "w") as f:  # after every run: a cut-short run keeps its rows
-                    device = torch.cuda.get_device_name() if cuda else "cpu"
-                    json.dump({"device": device, "torch": torch.__version__, "baseline": baseline,
-                               "rows": list(rows.values())}, f, indent=1)
+                write(args.out, rows, baseline)  # after every run: a cut-short run keeps its rows
+            finish_row(row, per_token, per_pair)
+            print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
+                  f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
+                  f"flat={row['flat']['step_s']*1e3:.0f}ms/{row['flat']['tflops_per_s']:.0f}TF/"
+                  f"{row['flat']['peak_mem_gib'] or 0:.1f}GiB "
+                  f"tree={row['tree']['step_s']*1e3:.0f}ms/{row['tree']['tflops_per_s']:.0f}TF/"
+                  f"{row['tree']['peak_mem_gib'] or 0:.1f}GiB "
+                  f"spread={row['flat']['step_spread']:.3f}/{row['tree']['step_spread']:.3f}", flush=True)
+            for m in ("flat", "tree") if args.profile else ():
+                print(f"  {m} profile: {json.dumps(row[m]['profile'])}", flush=True)
+            write(args.out, rows, baseline)
+
+def write(out: str, rows: dict, baseline: str) -> None:
+    """The results so far as JSON: device, torch version, the flat baseline's kind, one row per workload."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    with open(out, "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "baseline": baseline, "rows": list(rows.values())},
+                  f, indent=1)
 
 
 def workload_row(args, name: str, seqs, per_token: float, per_pair: float, baseline: str) -> dict:
