@@ -18,7 +18,10 @@ def main():
     ap.add_argument("inputs", nargs="+")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows = [r for path in args.inputs for r in json.load(open(path))["rows"]]
+    results = [json.load(open(path)) for path in args.inputs]
+    rows = [r for res in results for r in res["rows"] if "speedup" in r]  # complete rows only
+    flat = {"te_thd_cudnn": "Megatron THD packing, TE cuDNN attention", "tree_kernel_chains": "chains, same kernel"}
+    baselines = sorted({flat.get(res.get("baseline"), "chains, same kernel") for res in results})
     labels = [f"{r['model']}\n{r['workload']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
@@ -31,7 +34,8 @@ def main():
         ax.text(i + 0.27, r["speedup"], f"{r['achieved_fraction_of_ideal']:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("tree vs flat (x)")
-    ax.set_title("Tree vs flat training step, one H200, bf16 (label: achieved fraction of ideal)")
+    ax.set_title(f"Tree vs flat training step, one H200, bf16 (flat: {'; '.join(baselines)}; "
+                 f"label: achieved fraction of ideal)", fontsize=9)
     ax.set_ylim(0, 1.2 * max(max(r["flop_ideal_speedup"], r["speedup"]) for r in rows))
     ax.legend(loc="upper left", ncol=3)
     fig.tight_layout()
