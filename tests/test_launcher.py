@@ -1,14 +1,20 @@
 """The launcher (megatron_tree.train) runs end to end on CPU; its config is validated with clear errors."""
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
+import torch
 
 from dist_utils import REPO_ROOT, run_torchrun
+from examples.make_rollouts import make_rollouts, write_rollouts
+from megatron_tree.train.__main__ import FLAGS, build_parser, main
 from megatron_tree.train.config import RunConfig
+from megatron_tree.train.trainer import check_layers
 
 LAUNCHER = REPO_ROOT / "examples" / "train_tree.py"
 
@@ -74,9 +80,105 @@ def test_yaml_configs_load():
         ({"micro_batch": {"n_mbs": 2}}, "needs max_tokens_per_mb"),
         ({"model": {"arch": "gpt2"}}, "model.arch must be one of"),
         ({"data": {"prompt_len": [5, 2]}}, "data.prompt_len must be [lo, hi]"),
+        ({"data": {"prompt_len": 5}}, "data.prompt_len must be a list [an int, an int], got 5"),
+        ({"train": {"lr": "fast"}}, "train.lr must be a number, got 'fast'"),
+        ({"train": [1]}, "train must be a mapping"),
+        ({"model": {"hf_overrides": {"hiden_size": 64}}}, "did you mean 'hidden_size' for 'hiden_size'?"),
+        ({"model": {"hf_overrides": {"hidden_size": "big"}}}, "model.hf_overrides: Validation error for field 'hidden_size'"),
+        ({"model": {"hf_path": "/nonexistent"}}, "model.hf_path '/nonexistent' is not a Hugging Face checkpoint"),
+        ({"checkpoint": {"save_interval": 2}}, "checkpoint.save_interval needs checkpoint.save"),
+        ({"model": {"random_init": True}, "checkpoint": {"export_hf": "x"}}, "export_hf needs a model built from"),
+        ({"train": {"kl_coef": 0.1}}, "train.kl_coef=0.1 applies to loss grpo only"),
+        ({"data": {"path": "rollouts.csv"}}, "data.path must be a file ending in .jsonl or .parquet"),
+        ({"logging": {"wandb_mode": "cloud"}}, "logging.wandb_mode must be one of"),
     ],
 )
 def test_bad_config_values_are_named(raw, message):
     with pytest.raises(ValueError) as e:
         RunConfig.from_dict(raw, source="cfg.yaml")
     assert message in str(e.value) and "cfg.yaml" in str(e.value)
+
+
+def test_malformed_yaml_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  arch: qwen3\n hf_overrides: [\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: not valid YAML at line 3, column 2"):
+        RunConfig.from_yaml(str(bad))
+
+
+def test_help_shows_every_flag_with_its_key_and_default():
+    text = " ".join(build_parser().format_help().split())
+    for flag, (key, _) in FLAGS.items():
+        assert flag in text and f"[{key}, default " in text, flag
+    assert "--seed N" in text and "[train.seed, default 0]" in text
+
+
+def test_layers_must_split_over_pipeline_stages():
+    check_layers(4, 2, 2)
+    with pytest.raises(ValueError, match=r"num_hidden_layers=2, not divisible by pp \* vpp = 2 \* 2.*tiny_qwen3_4layers"):
+        check_layers(2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "train.steps (--steps) must be an int >= 1, got 0"),
+        (["--hf-path", "/nonexistent"], "model.hf_path (--hf-path) '/nonexistent' is not a Hugging Face checkpoint"),
+        (["--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
+        (["--tp", "2"], "world size 1 is not divisible by tp * pp = 2 * 1"),
+        pytest.param(["--bf16"], "train.bf16 (--bf16) needs a CUDA GPU", marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="refused on CPU only")),
+    ],
+)
+def test_mistakes_end_in_one_line_and_a_nonzero_exit(capsys, argv, message):
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megatron-tree-train: error: ") and message in err[-1], err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_data_errors_name_the_row_and_nothing_is_left_behind(tmp_path, capsys, monkeypatch):
+    """A token id beyond the model's vocabulary is refused before training, naming file, line and
+    field; the temporary model directory is removed on that path as on the normal one."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps({"input_ids": [4, 500]}) + "\n")
+    assert main(["--data-path", str(data), "--batch-size", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "rollouts.jsonl line 2: token id 500 in 'input_ids' is outside the model's vocabulary [0, 160)" in err
+    assert sorted(os.listdir(tmp_path)) == ["rollouts.jsonl"]
+
+
+def test_rollout_file_run_logs_plain_lines_to_sinks(tmp_path, capsys, monkeypatch):
+    """GRPO on the sample file (examples/make_rollouts.py) with JSONL and TensorBoard sinks; stdout
+    is not a terminal, so no progress bar, only one line per step; no temporary files remain."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = str(tmp_path / "rollouts.parquet")
+    write_rollouts(make_rollouts(prompts=4), data)
+    argv = ["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), "--data-path", data, "--loss", "grpo",
+            "--steps", "3", "--batch-size", "3", "--log-jsonl", str(tmp_path / "log.jsonl"),
+            "--tensorboard-dir", str(tmp_path / "tb")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\r" not in out and "it/s" not in out
+    lines = [line for line in out.splitlines() if line.startswith(" iteration")]
+    assert [line.split("|")[0].split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    recs = records(tmp_path / "log.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in recs)
+    tokens = [r["original_tokens"] for r in recs]
+    assert tokens[1] < tokens[0] == tokens[2]  # 4 groups: 3, the last 1, then the first 3 again
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in recs])
+    assert sorted(os.listdir(tmp_path)) == ["log.jsonl", "rollouts.parquet", "tb"]
+
+
+def test_wandb_offline_and_missing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert main(["--steps", "1", "--wandb-project", "tree", "--wandb-mode", "offline"]) == 0
+    assert any(name.startswith("offline-run-") for name in os.listdir(tmp_path / "wandb"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    assert main(["--steps", "1", "--wandb-project", "tree"]) == 1
+    assert "--wandb-project needs the wandb package: pip install wandb" in capsys.readouterr().err

@@ -6,8 +6,8 @@
 Every flag but ``--config`` and ``--traceback`` sets one key of the YAML config (its help
 names the key and the default); values are validated together with the file. Mistakes in
 the flags, the config, the data or the environment end the run with one line on stderr,
-``megatron-tree-train: error: ...``, and exit status 2 (1 for errors raised while training),
-without a traceback unless ``--traceback`` is given.
+``megatron-tree-train: error: ...``, and exit status 1 (2 for a malformed command line, from
+argparse), without a traceback unless ``--traceback`` is given.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ PROG = "megatron-tree-train"
 
 # flag -> (section.key, extra argparse keywords). Help texts and defaults come from the config classes.
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--hf-path": ("model.hf_path", {}),
+    "--hf-path": ("model.hf_path", {"metavar": "DIR"}),
     "--tp": ("parallel.tp", {}),
     "--pp": ("parallel.pp", {}),
     "--vpp": ("parallel.vpp", {}),
     "--ep": ("parallel.ep", {}),
     "--max-tokens-per-mb": ("micro_batch.max_tokens_per_mb", {}),
     "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": ["ffd", "kk"]}),
-    "--data-path": ("data.path", {}),
+    "--data-path": ("data.path", {"metavar": "FILE"}),
     "--batch-size": ("data.batch_size", {}),
     "--steps": ("train.steps", {}),
     "--lr": ("train.lr", {}),
@@ -41,14 +41,14 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--recompute": ("train.recompute", {"choices": ["none", "full", "selective"]}),
     "--bf16": ("train.bf16", {}),
     "--verify-tree-model": ("train.verify_tree_model", {}),
-    "--save": ("checkpoint.save", {}),
+    "--save": ("checkpoint.save", {"metavar": "DIR"}),
     "--save-interval": ("checkpoint.save_interval", {}),
-    "--load": ("checkpoint.load", {}),
-    "--export-hf": ("checkpoint.export_hf", {}),
-    "--log-jsonl": ("logging.jsonl", {}),
-    "--tensorboard-dir": ("logging.tensorboard_dir", {}),
-    "--wandb-project": ("logging.wandb_project", {}),
-    "--wandb-run-name": ("logging.wandb_run_name", {}),
+    "--load": ("checkpoint.load", {"metavar": "DIR"}),
+    "--export-hf": ("checkpoint.export_hf", {"metavar": "DIR"}),
+    "--log-jsonl": ("logging.jsonl", {"metavar": "FILE"}),
+    "--tensorboard-dir": ("logging.tensorboard_dir", {"metavar": "DIR"}),
+    "--wandb-project": ("logging.wandb_project", {"metavar": "NAME"}),
+    "--wandb-run-name": ("logging.wandb_run_name", {"metavar": "NAME"}),
     "--wandb-mode": ("logging.wandb_mode", {"choices": ["online", "offline", "disabled"]}),
     "--progress": ("logging.progress", {}),
 }
@@ -87,16 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", metavar="YAML",
                     help="run config file (configs/*.yaml); flags override its keys [default: built-in defaults, "
                          "a tiny random Qwen3 on synthetic GRPO rollouts]")
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for flag, (key, extra) in FLAGS.items():
+        section = key.split(".")[0]
+        if section not in groups:
+            groups[section] = ap.add_argument_group(f"config section '{section}'")
         help_text, default, kind = _field(key)
         shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
-        kw: dict[str, Any] = dict(dest=key, default=None, help=f"{help_text} [{key}, default {shown}]", **extra)
+        help_text = f"{help_text} [{key}, default {shown}]".replace("%", "%%")
+        kw: dict[str, Any] = dict(dest=key, default=None, help=help_text, **extra)
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = kind
-            kw.setdefault("metavar", flag.lstrip("-").split("-")[-1].upper() if "choices" not in extra else None)
-        ap.add_argument(flag, **kw)
+            if "choices" not in extra:
+                kw.setdefault("metavar", "N" if kind is int else flag.lstrip("-").split("-")[-1].upper())
+        groups[section].add_argument(flag, **kw)
     ap.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     return ap
 
@@ -106,13 +112,22 @@ def config_from_args(args: argparse.Namespace):
     from megatron_tree.train.config import RunConfig
 
     overrides: dict[str, dict[str, Any]] = {}
-    for key, value in vars(args).items():
-        if "." in key and value is not None:
-            section, name = key.split(".")
-            overrides.setdefault(section, {})[name] = value
-    if args.config:
-        return RunConfig.from_yaml(args.config, overrides)
-    return RunConfig.from_dict({}, source="built-in config", overrides=overrides)
+    flags = {key: flag for flag, (key, _) in FLAGS.items()}
+    given = [key for key, value in vars(args).items() if "." in key and value is not None]
+    for key in given:
+        section, name = key.split(".")
+        overrides.setdefault(section, {})[name] = getattr(args, key)
+    if args.__dict__["model.hf_path"] is not None:  # a checkpoint replaces the config's tiny model
+        overrides["model"]["hf_overrides"] = {}
+    try:
+        if args.config:
+            return RunConfig.from_yaml(args.config, overrides)
+        return RunConfig.from_dict({}, source="built-in config", overrides=overrides)
+    except ValueError as e:  # name the flag next to the key it set
+        message = str(e)
+        for key in given:
+            message = message.replace(f"{key} ", f"{key} ({flags[key]}) ", 1)
+        raise ValueError(message) from None
 
 
 def _quiet_known_warnings() -> None:
@@ -126,13 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_known_warnings()
     trainer = None
-    status = 2  # an error before training starts: configuration, data, environment
+    status = 1
     try:
         from megatron_tree.train.trainer import Trainer
 
         cfg = config_from_args(args)
         trainer = Trainer(cfg, config_source=args.config or "built-in")
-        status = 1
         trainer.train()
         status = 0
     except (ValueError, OSError) as e:

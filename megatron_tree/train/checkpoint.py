@@ -3,7 +3,8 @@
 Layout, as Megatron-LM's: ``ROOT/iter_0000004/`` (one dist checkpoint per save) and
 ``ROOT/latest_checkpointed_iteration.txt``. A checkpoint holds
 
-- ``model`` (``model0``, ``model1``, ... under virtual pipeline): every chunk's sharded state;
+- ``model`` (``model0``, ``model1``, ... under virtual pipeline): every chunk's sharded state
+  (of the ``GPTModel`` inside the DDP / Float16Module wrappers);
 - ``optimizer``: Megatron's optimizer state sharded like the parameters (Adam moments, step);
 - ``rng_state``: Python, NumPy, torch (CPU and CUDA) and Megatron's model-parallel RNG
   tracker, one object per rank (restored when the world size is the same);
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import warnings
 from typing import Any
 
 import numpy as np
@@ -56,9 +58,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict | None) -> dict[str, Any]:
     from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.utils import unwrap_model
 
     state: dict[str, Any] = {}
-    for i, chunk in enumerate(model):
+    for i, chunk in enumerate(unwrap_model(model)):
         state["model" if len(model) == 1 else f"model{i}"] = chunk.sharded_state_dict()
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,6 +111,7 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
     """Load model, optimizer and RNG state from ``path`` (see :func:`resolve_checkpoint`).
     Returns ``(iteration, data position, whether the RNG state was restored)``."""
     from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
 
     path = resolve_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(path)
@@ -115,8 +119,10 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
     has_rng = common["world_size"] == dist.get_world_size()
     if not has_rng:
         del state["rng_state"]
-    loaded = dist_checkpointing.load(state, path)
-    for i, chunk in enumerate(model):
+    with warnings.catch_warnings():  # torch.distributed.checkpoint deprecations inside megatron-core's loader
+        warnings.simplefilter("ignore", FutureWarning)
+        loaded = dist_checkpointing.load(state, path)
+    for i, chunk in enumerate(unwrap_model(model)):
         chunk.load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
     optimizer.load_state_dict(loaded["optimizer"])
     if has_rng:

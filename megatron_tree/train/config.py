@@ -117,7 +117,7 @@ class ModelConfig(_Section):
     and Megatron initialises the weights (large shapes for benchmarks)."""
 
     SECTION = "model"
-    hf_path: str | None = _field(None, "local Hugging Face checkpoint directory to train (config.json + safetensors)")
+    hf_path: str | None = _field(None, "local Hugging Face checkpoint directory to train (config.json + safetensors); replaces arch and hf_overrides")
     arch: str = _field("qwen3", "without hf_path: architecture of a random tiny model")
     hf_overrides: dict[str, Any] = field(default_factory=dict, metadata={"help": "HF config keys of the tiny model"})
     random_init: bool = _field(False, "tiny model: Megatron's random init instead of random HF weights")
@@ -141,10 +141,8 @@ class ModelConfig(_Section):
 
         try:
             tiny_hf_config(self.arch, **self.hf_overrides)
-        except ValueError as e:
-            raise ValueError(f"model.hf_overrides: {e}") from None
-        except TypeError as e:  # a value of the wrong type for the HF config class
-            raise ValueError(f"model.hf_overrides: {e}") from None
+        except Exception as e:  # unknown keys (ValueError); HF's own checks of the values (several types)
+            raise ValueError(f"model.hf_overrides: {' '.join(str(e).split())}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +167,7 @@ class DataConfig(_Section):
     (multi_turn) per step, token ids in ``[0, vocab)`` (default: the model's)."""
 
     SECTION = "data"
-    path: str | None = _field(None, "rollout file (.jsonl or .parquet, schema in the README); default: synthetic rollouts")
+    path: str | None = _field(None, "rollout file (.jsonl or .parquet, schema in the README); null: synthetic rollouts")
     batch_size: int = _field(4, "groups per step: prompts (GRPO samples share a group) or conversations")
     workload: str = _field("grpo", "synthetic: grpo | multi_turn")
     samples: int = _field(4, "synthetic grpo: responses per prompt")
@@ -227,7 +225,7 @@ class TrainConfig(_Section):
 class CheckpointConfig(_Section):
     SECTION = "checkpoint"
     save: str | None = _field(None, "directory for megatron dist checkpoints (DIR/iter_NNNNNNN)")
-    save_interval: int | None = _field(None, "save every N steps (and after the last); default: after the last only")
+    save_interval: int | None = _field(None, "save every N steps and after the last; null: after the last only")
     load: str | None = _field(None, "resume from this directory (its latest checkpoint) or one iter_NNNNNNN in it")
     export_hf: str | None = _field(None, "at the end, write the trained weights as a Hugging Face checkpoint here")
 
@@ -242,10 +240,10 @@ class CheckpointConfig(_Section):
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig(_Section):
     SECTION = "logging"
-    jsonl: str | None = _field(None, "append one JSON record per step to this file (rank 0)")
+    jsonl: str | None = _field(None, "write one JSON record per step to this file (rank 0; appended to on resume)")
     tensorboard_dir: str | None = _field(None, "write TensorBoard scalars here (needs tensorboard)")
     wandb_project: str | None = _field(None, "log to this Weights & Biases project (needs wandb)")
-    wandb_run_name: str | None = _field(None, "wandb run name (default: wandb's)")
+    wandb_run_name: str | None = _field(None, "wandb run name (null: wandb picks one)")
     wandb_mode: str = _field("online", "online | offline (no network; `wandb sync` later) | disabled")
     progress: bool = _field(True, "progress bar on a terminal (never in files or pipes)")
 
@@ -276,6 +274,9 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        if self.checkpoint.export_hf and self.model.random_init:
+            raise ValueError("checkpoint.export_hf needs a model built from Hugging Face weights; model.random_init "
+                             "models have none to map onto (set random_init: false)")
         if self.train.kl_coef > 0 and self.train.loss != "grpo":
             raise ValueError(f"train.kl_coef={self.train.kl_coef} applies to loss grpo only; set train.loss: grpo "
                              f"or drop kl_coef")

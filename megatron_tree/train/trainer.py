@@ -318,6 +318,8 @@ class Trainer:
         """Run steps ``iteration + 1 .. train.steps``; returns their records (same on every rank)."""
         records = []
         ckpt = self.cfg.checkpoint
+        if self.iteration >= self.cfg.train.steps:
+            self._info(f"nothing to train: iteration {self.iteration} >= train.steps {self.cfg.train.steps}; raise --steps")
         while self.iteration < self.cfg.train.steps:
             records.append(self.step(self.source.next_batch()))
             last = self.iteration == self.cfg.train.steps
