@@ -15,7 +15,9 @@ weighted by its multiplicity:
 * the per-expert token counts the router keeps for aux-loss-free balancing
   (``local_tokens_per_expert``, ``moe_router_enable_expert_bias``) and for ``global_aux_loss``.
 
-Padding slots (multiplicity 0) count nowhere; the experts still compute every slot once.
+Padding slots (multiplicity 0) count nowhere, nor does a micro-batch that holds no sequence
+(with ``global_aux_loss`` over several data-parallel ranks it still joins the all-reduce and
+counts as one of the step's micro-batches, as in upstream). The experts compute every slot once.
 Megatron's per-micro-batch losses depend on how sequences are grouped into micro-batches, so
 the tree step equals the flat step with the same grouping; ``global_aux_loss`` accumulates
 over the step and does not depend on it.

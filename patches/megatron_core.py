@@ -110,9 +110,13 @@ class _WeightedRouterStatistics:
         w = self.weights
         if w is None:
             return self.upstream["_apply_global_aux_loss"](probs, scores_for_aux_loss, routing_map, with_padding_mask)
-        # Never skipped: the token counts are all-reduced over data-parallel ranks.
+        if w.num_tokens == 0 and self.router.tp_dp_cp_group.size() == 1:
+            return probs
         m = w.multiplicity[:, None]
-        return self.upstream["_apply_global_aux_loss"](probs, scores_for_aux_loss * m, routing_map * m, True)
+        out = self.upstream["_apply_global_aux_loss"](probs, scores_for_aux_loss * m, routing_map * m, True)
+        # A micro-batch with no sequence on this rank still joins the all-reduce of the counts
+        # but adds no gradient (its loss is 0/0 where no rank holds a token at this position).
+        return probs if w.num_tokens == 0 else out
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
         w = self.weights

@@ -16,7 +16,7 @@ import pytest
 import torch
 from dist_utils import run_torchrun
 from hypothesis import given, settings
-from scripts.router_stats_parity import CASES, TOL, batch, build, run_case
+from scripts.router_stats_parity import CASES, TOL, batch, build, compare, run_case, tree_step
 
 from forests import any_batch
 from megatron_tree import MicroBatchSpec, pack_trees
@@ -66,6 +66,14 @@ def test_tree_step_equals_flat_step(moe_checkpoint, case):
         assert max(r[kind].values()) < TOL, (kind, r)
     # Each slot counted once: the gradient (or, for expert bias, the token counts) is far off.
     assert max(r["unweighted"]["grad"], r["unweighted"]["counts"]) > 0.1, r
+
+
+def test_micro_batches_without_sequences_add_nothing(moe_checkpoint):
+    mbs = pack_trees(batch(np.random.default_rng(0), 160), MicroBatchSpec(max_tokens_per_mb=48, n_mbs=6))
+    assert any(mb.num_tokens == 0 for mb in mbs)
+    with_empty = tree_step(build(moe_checkpoint, "all"), mbs)
+    without = tree_step(build(moe_checkpoint, "all"), [mb for mb in mbs if mb.num_tokens])
+    assert max(compare(with_empty, without).values()) == 0.0
 
 
 def test_tree_step_equals_flat_step_with_full_recompute(moe_checkpoint):
