@@ -18,9 +18,9 @@ weighted by its multiplicity:
 Padding slots (multiplicity 0) count nowhere, nor does a micro-batch that holds no sequence
 (with ``global_aux_loss`` over several data-parallel ranks it still joins the all-reduce and
 counts as one of the step's micro-batches, as in upstream). The experts compute every slot once.
-Megatron's per-micro-batch losses depend on how sequences are grouped into micro-batches, so
-the tree step equals the flat step with the same grouping; ``global_aux_loss`` accumulates
-over the step and does not depend on it.
+Megatron's losses depend on how sequences are grouped into micro-batches (per micro-batch
+statistics; ``global_aux_loss`` mixes the step's running token counts with each micro-batch's
+probabilities), so the tree step equals the flat step with the same grouping.
 
 Wiring: :func:`tree_padding_mask` makes the ``padding_mask`` a tree micro-batch is run with
 and records the micro-batch's multiplicities for it; Megatron hands that mask to every router,
