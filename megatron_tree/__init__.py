@@ -5,7 +5,7 @@ and get exact per-sequence log-probabilities and gradients.
 
 The data model, packing and log-prob gather import no Megatron. The Megatron adapters
 (``build_tree_model``, ``patch_bridge_for_tree_training``, ``tree_layer_spec``, ``enable_tree_rope``,
-``tree_forward_backward``, ``check_tree_model``, ``verify_tree_model``) import megatron-core when
+``tree_forward_backward``, ``tree_forward_only``, ``check_tree_model``, ``verify_tree_model``) import megatron-core when
 first used.
 """
 
@@ -18,6 +18,7 @@ from megatron_tree.microbatch import TreeMicroBatch
 from megatron_tree.microbatch_spec import MicroBatchSpec
 from megatron_tree.packing import pack_trees
 from megatron_tree.tree import TokenForest, build_forest
+from megatron_tree.values import gather_tree_scores, gather_tree_values
 
 _MEGATRON_ADAPTERS = {
     "build_tree_model": "megatron_tree.bridge",
@@ -25,6 +26,7 @@ _MEGATRON_ADAPTERS = {
     "tree_layer_spec": "megatron_tree.layer_spec",
     "enable_tree_rope": "megatron_tree.rope",
     "tree_forward_backward": "megatron_tree.schedule",
+    "tree_forward_only": "megatron_tree.forward_only",
     "check_tree_model": "megatron_tree.model_check",
     "verify_tree_model": "megatron_tree.verify",
 }
@@ -38,6 +40,8 @@ __all__ = [
     "balance_across_ranks",
     "build_forest",
     "gather_tree_logprobs",
+    "gather_tree_scores",
+    "gather_tree_values",
     "pack_trees",
     *_MEGATRON_ADAPTERS,
 ]

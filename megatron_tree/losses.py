@@ -1,4 +1,4 @@
-"""Policy-gradient and likelihood losses on per-token log-probs in varlen layout.
+"""Policy-gradient, likelihood and value losses on per-token log-probs (or values) in varlen layout.
 
 Shape legend: n = sequences, N = next-token targets of all of them; sequence k owns
 ``[cu_seqlens[k], cu_seqlens[k+1])`` of every [N] tensor (the layout of
@@ -28,12 +28,12 @@ _NORMALIZATIONS = ("token", "sequence")
 _REDUCTIONS = ("mean", "sum")
 
 
-def _check_logprobs(logprobs: torch.Tensor) -> None:
+def _check_logprobs(logprobs: torch.Tensor, name: str = "logprobs") -> None:
     """ValueError unless ``logprobs`` is a 1-D float tensor [N]."""
     if not isinstance(logprobs, torch.Tensor) or not logprobs.is_floating_point() or logprobs.ndim != 1:
         shape = tuple(getattr(logprobs, "shape", ()))
         got = f"{type(logprobs).__name__} {getattr(logprobs, 'dtype', '')} shape {shape}"
-        raise ValueError(f"logprobs must be a 1-D float tensor [N]; got {got}.")
+        raise ValueError(f"{name} must be a 1-D float tensor [N]; got {got}.")
 
 
 def _check_tokens(name: str, value: torch.Tensor, like: torch.Tensor) -> None:
@@ -163,6 +163,53 @@ def ppo_clip_loss(
         "normalizer": normalizer,
     }
     return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    clip_eps: float | None = 0.2,
+    normalization: str = "token",
+    reduction: str = "mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped value loss: per token ``0.5 * max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2)``.
+
+    Args:
+      values:     [N] the critic's values being trained (differentiable), in the log-prob layout
+                  (:func:`megatron_tree.values.gather_tree_values`).
+      old_values: [N] the critic's values when the rollout was scored (no grad needed).
+      returns:    [N] value targets (e.g. GAE advantages + old values).
+      cu_seqlens: [n+1] int offsets of the sequences in the [N] tensors.
+      loss_mask:  [N] bool/0-1, targets that count (default all).
+      clip_eps:   > 0: how far ``values`` may move from ``old_values`` before the clipped
+                  term takes over; ``None``: the plain squared error ``0.5 (v - R)^2``.
+      normalization, reduction: as in :func:`ppo_clip_loss` (``reduction="sum"`` with
+                  ``metrics["normalizer"]`` for Megatron's ``(sum, count)``).
+
+    Returns:
+      ``(loss scalar, metrics)``; metrics: ``clip_fraction`` (share of loss tokens where the
+      clipped term is the larger), ``normalizer`` (int64: loss tokens or loss sequences).
+    """
+    if clip_eps is not None and (isinstance(clip_eps, bool) or not isinstance(clip_eps, (int, float)) or not clip_eps > 0):
+        raise ValueError(f"clip_eps must be a float > 0 or None (no clipping); got {clip_eps!r}.")
+    _check_logprobs(values, "values")
+    _check_tokens("old_values", old_values, values)
+    _check_tokens("returns", returns, values)
+
+    target = returns.detach().to(values.dtype)
+    unclipped = (values - target).square()
+    if clip_eps is None:
+        per_token, clipped_taken = unclipped, torch.zeros_like(unclipped)
+    else:
+        old = old_values.detach().to(values.dtype)
+        clipped = (old + (values - old).clamp(-clip_eps, clip_eps) - target).square()
+        per_token, clipped_taken = torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype)
+    loss, normalizer, mask = _reduce(0.5 * per_token, cu_seqlens, loss_mask, normalization, reduction)
+    return loss, {"clip_fraction": _masked_mean(clipped_taken, mask), "normalizer": normalizer}
 
 
 def sft_loss(

@@ -8,11 +8,11 @@ last stage calls ``loss_func(output)``. Here:
 * :func:`tree_data_iterators` gives each model chunk its own iterator over the same
   micro-batches (moved to the device, padded to one length when the schedule needs it);
 * :func:`tree_forward_step` runs the model with the tree mask and depths as positions,
-  and its loss function gathers per-sequence log-probs (vocab-parallel) and applies the
-  user's loss;
+  and its loss function gathers per-sequence log-probs (vocab-parallel; or, with ``head=``,
+  a critic's per-token values or a reward model's scores) and applies the user's loss;
 * :func:`tree_forward_backward` does both and calls the schedule.
 
-Loss normalisation. The user's ``loss_fn(logprobs, mb)`` returns ``(loss_sum, count)``:
+Loss normalisation. The user's ``loss_fn(logprobs, mb)`` (or values, scores) returns ``(loss_sum, count)``:
 a SUM over what it normalises by, and how many of those there are (tokens for a per-token
 mean, sequences for a per-sequence mean). Megatron then divides the summed loss by the
 count summed over all micro-batches (and, with its DDP, over data-parallel ranks) —
@@ -45,9 +45,23 @@ from megatron_tree.microbatch import TreeMicroBatch
 from megatron_tree.packed_seq import thd_packed_seq_params
 from megatron_tree.model_check import check_tree_model
 from megatron_tree.router_stats import tree_padding_mask
+from megatron_tree.values import gather_tree_scores, gather_tree_values
 
 LossFn = Callable[[torch.Tensor, TreeMicroBatch], tuple[torch.Tensor, torch.Tensor | int]]
-"""``loss_fn(logprobs [N] fp32, mb) -> (loss_sum scalar, count)``; see the module docstring."""
+"""``loss_fn(outputs, mb) -> (loss_sum scalar, count)``; ``outputs`` is what the head gives
+(:data:`HEADS`), see the module docstring."""
+
+HEADS = ("logprobs", "values", "scores")
+"""What the model's output becomes before ``loss_fn`` sees it, per micro-batch (``head=``):
+
+- ``"logprobs"`` (language-model head, default): ``logprobs [N]`` fp32 in the varlen layout of
+  :func:`~megatron_tree.logprobs.gather_tree_logprobs`; ``(logprobs [N], entropy [N])`` with
+  ``with_entropy=True``.
+- ``"values"`` (value head ``[1, T, 1]``, a critic): ``values [N]`` in the same layout
+  (:func:`~megatron_tree.values.gather_tree_values`).
+- ``"scores"`` (value head, a reward model): ``scores [n]``, the value at each sequence's last
+  token (:func:`~megatron_tree.values.gather_tree_scores`).
+"""
 
 _log = logging.getLogger(__name__)
 _ANNOUNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -71,14 +85,20 @@ def tree_data_iterators(
 
 
 def tree_forward_step(
-    loss_fn: LossFn, *, tp_group: torch.distributed.ProcessGroup | None = None, temperature: float = 1.0
+    loss_fn: LossFn,
+    *,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    head: str = "logprobs",
+    with_entropy: bool = False,
 ) -> Callable:
     """A ``forward_step_func`` for megatron-core schedules over :class:`TreeMicroBatch` items.
 
     The model must be built with tree attention and per-token RoPE (see
     ``patch_bridge_for_tree_training`` / ``tree_layer_spec`` + ``enable_tree_rope``);
     :func:`~megatron_tree.model_check.check_tree_model` refuses any other.
-    Its loss function returns Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``.
+    Its loss function returns Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``
+    from ``loss_fn(head outputs, mb)`` (``head``, ``with_entropy``: :data:`HEADS`).
     """
 
     def forward_step(data_iterator, model):
@@ -87,7 +107,9 @@ def tree_forward_step(
         # MoE routers weigh each slot by the sequences through it (megatron_tree.router_stats).
         padding_mask = tree_padding_mask(mb) if get_model_config(model).num_moe_experts else None
         output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask)
-        return output, tree_loss_func(loss_fn, mb, tp_group=tp_group, temperature=temperature)
+        return output, tree_loss_func(
+            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy
+        )
 
     return forward_step
 
@@ -102,6 +124,8 @@ def thd_schedule_inputs(
     pad_multiple: int,
     tp_group: torch.distributed.ProcessGroup | None,
     temperature: float,
+    head: str = "logprobs",
+    with_entropy: bool = False,
 ) -> tuple[Callable, Iterator | list[Iterator]]:
     """``(forward_step_func, data_iterator)`` of flat micro-batches run as packed THD sequences
     (:func:`~megatron_tree.packed_seq.thd_packed_seq_params`): padded as :func:`tree_data_iterators`
@@ -117,22 +141,57 @@ def thd_schedule_inputs(
     def forward_step(data_iterator, model):
         mb, params = next(data_iterator)
         output = model(mb.input_ids, None, None, packed_seq_params=params)
-        return output, tree_loss_func(loss_fn, mb, tp_group=tp_group, temperature=temperature)
+        return output, tree_loss_func(
+            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy
+        )
 
     its = [iter(items) for _ in range(num_model_chunks)]
     return forward_step, its[0] if num_model_chunks == 1 else its
 
 
-def tree_loss_func(
-    loss_fn: LossFn, mb: TreeMicroBatch, *, tp_group: torch.distributed.ProcessGroup | None, temperature: float
-) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]:
-    """The ``loss_func`` a forward step returns for ``mb``: logits ``[b, T, V/tp]`` -> Megatron's
-    triple ``(loss_sum, count, {"loss": [loss_sum, count]})`` from ``loss_fn(logprobs, mb)``."""
+def _head_outputs(
+    output: torch.Tensor,
+    mb: TreeMicroBatch,
+    head: str,
+    *,
+    tp_group: torch.distributed.ProcessGroup | None,
+    temperature: float,
+    with_entropy: bool,
+    inplace_backward: bool,
+):
+    """The model's ``output`` for ``mb`` through ``head`` (:data:`HEADS`)."""
+    if head == "logprobs":
+        return gather_tree_logprobs(
+            output, mb, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
+            inplace_backward=inplace_backward,
+        )  # fmt: skip
+    return (gather_tree_values if head == "values" else gather_tree_scores)(output, mb)
 
-    def loss_func(logits: torch.Tensor):
+
+def tree_loss_func(
+    loss_fn: LossFn | None,
+    mb: TreeMicroBatch,
+    *,
+    tp_group: torch.distributed.ProcessGroup | None,
+    temperature: float,
+    head: str = "logprobs",
+    with_entropy: bool = False,
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]:
+    """The ``loss_func`` a forward step returns for ``mb``: the model's output (logits ``[b, T, V/tp]``,
+    or a value head's ``[b, T, 1]``) -> Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``
+    from ``loss_fn(outputs, mb)``, ``outputs`` as ``head`` and ``with_entropy`` make them (:data:`HEADS`).
+    Called with ``non_loss_data=True`` (the schedule's ``collect_non_loss_data``) it returns the
+    detached outputs instead, and ``loss_fn`` may be None."""
+
+    def loss_func(output: torch.Tensor, non_loss_data: bool = False):
         # The logits feed nothing else: their memory takes their gradient in the backward.
-        logprobs = gather_tree_logprobs(logits, mb, tp_group=tp_group, temperature=temperature, inplace_backward=True)
-        result = loss_fn(logprobs, mb)
+        outputs = _head_outputs(
+            output, mb, head, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
+            inplace_backward=not non_loss_data,
+        )  # fmt: skip
+        if non_loss_data:
+            return tuple(o.detach() for o in outputs) if isinstance(outputs, tuple) else outputs.detach()
+        result = loss_fn(outputs, mb)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise ValueError(
                 f"loss_fn must return (loss_sum, count), got {type(result).__name__}"
@@ -193,9 +252,17 @@ def tree_forward_backward(
     forward_only: bool = False,
     temperature: float = 1.0,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    head: str = "logprobs",
+    with_entropy: bool = False,
 ) -> list[dict]:
     """Run one step of ``mbs`` through ``get_forward_backward_func()``; returns Megatron's
     per-micro-batch loss dicts (on the last pipeline stage; empty elsewhere).
+
+    ``loss_fn(outputs, mb)`` gets what ``head`` makes of the model's output (:data:`HEADS`):
+    log-probs (default; with ``with_entropy``, ``(logprobs, entropy)``), a critic's per-token
+    ``values`` or a reward model's per-sequence ``scores``; the normalisation is the same
+    ``(sum, count)`` for all (module docstring). For log-probs etc. without a loss, use
+    :func:`~megatron_tree.forward_only.tree_forward_only`.
 
     Validates what the schedule needs: a tree model (tree attention and per-token RoPE in
     every chunk, :func:`~megatron_tree.model_check.check_tree_model`),
@@ -211,7 +278,9 @@ def tree_forward_backward(
     """
     chunks = model if isinstance(model, list) else [model]
     check_tree_model(chunks)
-    return _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=False)
+    return _run_schedule(
+        chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=False, head=head, with_entropy=with_entropy
+    )
 
 
 def flat_forward_backward(
@@ -222,6 +291,8 @@ def flat_forward_backward(
     forward_only: bool = False,
     temperature: float = 1.0,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    head: str = "logprobs",
+    with_entropy: bool = False,
 ) -> list[dict]:
     """The flat baseline Megatron users run: :func:`tree_forward_backward` for flat micro-batches
     (``pack_trees(..., share_prefixes=False)``) through an upstream model (``build_tree_model(path,
@@ -231,18 +302,29 @@ def flat_forward_backward(
     does. Same loss path, normalisation and padding as the tree step; needs Transformer Engine.
     """
     chunks = model if isinstance(model, list) else [model]
-    return _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=True)
+    return _run_schedule(
+        chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=True, head=head, with_entropy=with_entropy
+    )
 
 
-def _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, thd: bool) -> list[dict]:
+def _run_schedule(
+    chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, thd: bool, head: str, with_entropy: bool,
+    collect: bool = False,
+) -> list:
+    """Validate, pad and run the schedule. ``collect``: forward only, and the schedule returns each
+    micro-batch's detached head outputs (megatron-core's ``collect_non_loss_data``), not loss dicts."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}; got {head!r}")
+    if with_entropy and head != "logprobs":
+        raise ValueError(f"with_entropy=True needs head='logprobs' (a language-model head); got head={head!r}")
     config = get_model_config(chunks[0])
-    if not config.calculate_per_token_loss:
+    if not config.calculate_per_token_loss and not collect:
         raise ValueError(
             "tree training needs TransformerConfig.calculate_per_token_loss=True: the loss is "
             "normalised by counts summed over all micro-batches, so tree and flat steps agree exactly "
             "(set it, e.g. bridge.set_extra_args(calculate_per_token_loss=True))"
         )
-    if not forward_only:
+    if not forward_only and not collect:
         _finalize_grads_for_training(chunks, config)
     if chunks[0] not in _ANNOUNCED:
         _ANNOUNCED.add(chunks[0])
@@ -285,10 +367,12 @@ def _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, 
     if thd:
         forward_step, data_iterator = thd_schedule_inputs(
             mbs, len(chunks), loss_fn, device=device, pad_to=pad_to, pad_multiple=multiple, tp_group=tp_group,
-            temperature=temperature,
+            temperature=temperature, head=head, with_entropy=with_entropy,
         )
     else:
-        forward_step = tree_forward_step(loss_fn, tp_group=tp_group, temperature=temperature)
+        forward_step = tree_forward_step(
+            loss_fn, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy
+        )
         data_iterator = tree_data_iterators(mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -297,5 +381,6 @@ def _run_schedule(chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, 
         num_microbatches=len(mbs),
         seq_length=length,
         micro_batch_size=1,
-        forward_only=forward_only,
+        forward_only=forward_only or collect,
+        collect_non_loss_data=collect,
     )
