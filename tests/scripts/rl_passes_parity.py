@@ -1,0 +1,203 @@
+"""Every model pass of an RL step on trees vs each sequence alone (CPU gloo or GPUs, fp32):
+
+- forward-only log-probs and entropies (``tree_forward_only``) of a language model;
+- a critic (mbridge ``make_value_model``, its value head saved with ``bridge.save_weights`` and
+  loaded back): forward-only per-token values and per-sequence scores, and one training step
+  of the clipped value loss through ``tree_forward_backward(head="values")`` (loss, gradients).
+
+The reference is the same model on one sequence per micro-batch through the same schedule, and,
+without pipeline parallel, also the upstream (causal) model called on each sequence alone.
+
+    torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --tp 2 --ckpt DIR
+    torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --pp 2 --ckpt DIR
+    torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --ckpt DIR      # DP 2, unequal trees
+
+Prints ``RLPASSES rank=R logprobs=.. entropy=.. values=.. scores=.. critic_loss_rel=.. critic_grad_rel=..``
+(max abs errors, relative for the critic) and exits non-zero above ``--tol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.losses import value_loss
+from megatron_tree.packing import build_micro_batch
+from megatron_tree.patches import apply_compat_patches
+from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from schedule_parity import branching_batch
+
+
+def per_seq(seed: int, sid: int, n: int, scale: float = 1.0) -> torch.Tensor:
+    """Fixed random ``[n]`` per (seed, sequence id): the same for a sequence however it is packed."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100_003 + sid)) * scale
+
+
+def max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b) if x.numel()) if a else 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int)
+    ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoints (shared by ranks)")
+    ap.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    ap.add_argument("--tol", type=float, default=1e-5)
+    args = ap.parse_args()
+
+    from megatron.core import parallel_state as ps
+    from mbridge.utils.post_creation_callbacks import make_value_model
+
+    from megatron_tree.bridge import build_tree_model
+    from megatron_tree.forward_only import tree_forward_only
+    from megatron_tree.logprobs import vocab_parallel_logprobs
+    from megatron_tree.schedule import tree_forward_backward
+
+    cuda = torch.cuda.is_available()
+    with apply_compat_patches(), cpu_mode():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl")
+            ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                          virtual_pipeline_model_parallel_size=args.vpp)
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(7)
+        else:
+            init_cpu_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=7)
+        rank, device = dist.get_rank(), torch.device("cuda" if cuda else "cpu")
+        path = save_tiny_hf_checkpoint("qwen3", os.path.join(args.ckpt, "policy"), num_hidden_layers=4)
+
+        def build(hf_path, *, tree=True, value=False):
+            return build_tree_model(
+                hf_path, tree=tree, recompute=args.recompute, wrap_with_ddp=True,
+                extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
+                ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+                post_model_creation_callbacks=[make_value_model] if value else [],
+            )  # fmt: skip
+
+        # A critic from the policy's weights, its value head drawn here, saved with the bridge and
+        # loaded back: the models under test read the head from that checkpoint.
+        bridge, critic = build(path, value=True)
+        head = per_seq(3, 0, bridge.hf_config.hidden_size, 0.3)[None]
+        for chunk in critic:
+            for name, param in chunk.named_parameters():
+                if name.endswith("output_layer.weight"):
+                    param.data.copy_(head.to(param))
+        value_path = os.path.join(args.ckpt, "critic")
+        bridge.save_weights(critic, value_path)
+        dist.barrier()
+        exported = {k: v for k, v in bridge.export_weights(critic) if k == "lm_head.weight"}
+        assert torch.equal(exported["lm_head.weight"].cpu(), head), "value head not exported as lm_head.weight [1, H]"
+        _, critic = build(value_path, value=True)
+        for chunk in critic:
+            for name, param in chunk.named_parameters():
+                if name.endswith("output_layer.weight"):
+                    assert torch.equal(param.detach().cpu(), head), "value head not loaded back by the bridge"
+        _, policy = build(path)
+
+        dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+        seqs = branching_batch(bridge.hf_config.vocab_size, np.random.default_rng(0))
+        shares = [[i for i in range(len(seqs)) if i % dp == r] for r in range(dp)]
+        if dp > 1:  # unequal trees per rank: rank 0 also takes the whole multi-turn conversation
+            conv = list(range(len(seqs) - 4, len(seqs)))
+            shares = [[i for i in s if i not in conv] for s in shares]
+            shares[0] += conv
+        local = [seqs[i] for i in shares[dp_rank]]
+        group = args.pp if args.vpp else 1  # interleaved PP: a multiple of PP micro-batches
+        spec = MicroBatchSpec(max_tokens_per_mb=48, n_mbs=group, n_mbs_divisor=group)
+        tree_mbs = pack_trees(local, spec, dp_group=dp_group if dp > 1 else None)
+        seq_mbs = [build_micro_batch(local, [i]) for i in range(len(local))]
+        count = torch.tensor([len(seq_mbs)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+        seq_mbs += [build_micro_batch(local, []) for _ in range(-(-int(count) // group) * group - len(seq_mbs))]
+        seq_mbs = seq_mbs[::-1]  # reversed: the results must come back in the caller's order anyway
+
+        lp, ent = tree_forward_only(policy, tree_mbs, with_entropy=True)
+        ref_lp, ref_ent = tree_forward_only(policy, seq_mbs, with_entropy=True)
+        values = tree_forward_only(critic, tree_mbs, head="values")
+        ref_values = tree_forward_only(critic, seq_mbs, head="values")
+        scores = tree_forward_only(critic, tree_mbs, head="scores")
+        ref_scores = tree_forward_only(critic, seq_mbs, head="scores")
+        errors = {
+            "logprobs": max_err(lp, ref_lp), "entropy": max_err(ent, ref_ent),
+            "values": max_err(values, ref_values), "scores": max_err([scores], [ref_scores]),
+        }  # fmt: skip
+        if args.pp == 1:  # also the upstream causal models, each sequence alone
+            tp_group = ps.get_tensor_model_parallel_group() if args.tp > 1 else None
+            flat_policy, flat_critic = build(path, tree=False)[1][0], build(value_path, tree=False, value=True)[1][0]
+            with torch.no_grad():
+                for i, seq in enumerate(local):
+                    ids = torch.as_tensor(seq, device=device)[None]
+                    pos = torch.arange(ids.shape[1], device=device)[None]
+                    want_lp, want_ent = vocab_parallel_logprobs(
+                        flat_policy(ids, pos, None)[0], pos[0, :-1], ids[0, 1:], tp_group=tp_group, with_entropy=True
+                    )
+                    want_values = flat_critic(ids, pos, None)[0, :, 0]
+                    for key, got, want in [("logprobs", lp[i], want_lp), ("entropy", ent[i], want_ent),
+                                           ("values", values[i], want_values[:-1]),
+                                           ("scores", scores[i : i + 1], want_values[-1:])]:  # fmt: skip
+                        errors[key] = max(errors[key], (got - want).abs().max().item() if got.numel() else 0.0)
+
+        refused = 0
+        if args.pp == 1:  # refusals raise on every rank alike (before any collective, or on every last stage)
+            for call, match in [
+                (lambda: tree_forward_only(critic, tree_mbs + tree_mbs[:1], head="values"), "not each of"),
+                (lambda: tree_forward_only(policy, tree_mbs, head="value"), "head must be one of"),
+                (lambda: tree_forward_only(critic, tree_mbs, head="scores", with_entropy=True), "needs head='logprobs'"),
+                (lambda: tree_forward_only(policy, tree_mbs, head="values"), "make_value_model"),
+            ]:  # fmt: skip
+                try:
+                    call()
+                except ValueError as exc:
+                    refused += match in str(exc)
+            assert refused == 4, refused
+
+        # One critic training step, tree vs one sequence per micro-batch: clipped value loss on
+        # old values (the forward-only ones, moved per sequence) and random returns.
+        old = [v + per_seq(5, shares[dp_rank][i], v.numel(), 0.3).to(v) for i, v in enumerate(values)]
+        returns = [per_seq(6, shares[dp_rank][i], v.numel()).to(v) for i, v in enumerate(values)]
+
+        def critic_loss(values, mb):
+            if not mb.sequence_ids:
+                return values.sum(), 0
+            cat = lambda xs: torch.cat([xs[i] for i in mb.sequence_ids])  # noqa: E731
+            loss, metrics = value_loss(values, cat(old), cat(returns), mb.cu_seqlens, clip_eps=0.2, reduction="sum")
+            return loss, metrics["normalizer"]
+
+        def step(mbs):
+            for chunk in critic:
+                chunk.zero_grad_buffer()
+            losses = tree_forward_backward(critic, mbs, critic_loss, head="values")
+            total = torch.zeros(2, dtype=torch.float64, device=device)
+            for item in losses:
+                total += item["loss"].to(total)
+            dist.all_reduce(total)
+            return float(total[0] / total[1]), torch.cat([p.main_grad.flatten().double() for c in critic for p in c.parameters()])
+
+        tree_loss, tree_grad = step(tree_mbs)
+        seq_loss, seq_grad = step(seq_mbs)
+        errors["critic_loss_rel"] = abs(tree_loss - seq_loss) / abs(seq_loss)
+        errors["critic_grad_rel"] = float((tree_grad - seq_grad).abs().max() / seq_grad.abs().max().clamp(min=1e-30))
+        clipped = sum(int(((v - o).abs() > 0.2).sum()) for v, o in zip(values, old))
+        print(f"RLPASSES rank={rank} " + " ".join(f"{k}={v:.3e}" for k, v in errors.items())
+              + f" tree_tokens={sum(m.num_tokens for m in tree_mbs)} seqs={len(local)} clipped={clipped} refused={refused}"
+              + f" max|logprob|={max_err(lp, [0 * x for x in lp]):.2f} max|value|={max_err(values, [0 * x for x in values]):.2f}",
+              flush=True)
+        ok = all(v <= args.tol for v in errors.values()) and float(seq_grad.abs().max()) > 0
+        dist.barrier()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
