@@ -13,6 +13,8 @@ without multiplicity weighting); it must be far off.
 
     torchrun --nproc-per-node 2 tests/scripts/router_stats_parity.py --ep 2 --ckpt DIR
 
+Runs on CPU (gloo) and on GPUs (NCCL; fp32 exactness there needs NVIDIA_TF32_OVERRIDE=0).
+
 Prints one ``ROUTERSTATS rank=R case=C ...`` line per case and exits non-zero on a mismatch.
 The functions are also used in-process by ``tests/test_moe_router_stats.py``.
 """
@@ -20,6 +22,7 @@ The functions are also used in-process by ``tests/test_moe_router_stats.py``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import nullcontext
 from unittest import mock
@@ -254,7 +257,15 @@ def main() -> None:
 
     ok = True
     with apply_compat_patches(), cpu_mode():
-        init_cpu_distributed(ep=args.ep, pp=args.pp, seed=7)
+        if torch.cuda.is_available():
+            from megatron.core import tensor_parallel
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl")
+            ps.initialize_model_parallel(pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep)
+            tensor_parallel.model_parallel_cuda_manual_seed(7)
+        else:
+            init_cpu_distributed(ep=args.ep, pp=args.pp, seed=7)
         path = save_tiny_hf_checkpoint("qwen3_moe", args.ckpt, num_hidden_layers=2)
         rank = dist.get_rank()
         # Same lengths on every data-parallel rank (so the row batches have one shape), different tokens.
