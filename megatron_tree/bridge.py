@@ -68,6 +68,7 @@ def build_tree_model(
     bf16: bool = False,
     recompute: str = "none",
     load_weights: bool = True,
+    value_head: bool = False,
     extra_args: dict[str, Any] | None = None,
     **get_model_kwargs: Any,
 ) -> tuple[Any, list[torch.nn.Module]]:
@@ -88,6 +89,13 @@ def build_tree_model(
       Megatron's random initialisation stays). With DDP wrapping, the config's
       ``finalize_model_grads_func`` is set to megatron-core's ``finalize_model_grads``, as
       Megatron's training loop does.
+    - ``value_head=True``: a critic or reward model (``head="values"`` / ``"scores"``): the output
+      layer is mbridge's value head (``make_value_model``, weight ``[1, hidden]``, output
+      ``[1, T, 1]``, the same on every rank). Its weight is ``lm_head.weight`` of a checkpoint
+      that holds a ``[1, hidden]`` one (``bridge.save_weights`` of a value model writes it);
+      from a language-model checkpoint it is drawn from N(0, ``init_method_std``²) with a fixed
+      seed, so every tensor- and data-parallel rank starts from the same head. The checkpoint
+      must have untied embeddings (see the ``ValueError``).
     """
     from megatron_tree.patches import apply_compat_patches
 
@@ -96,12 +104,16 @@ def build_tree_model(
         from mbridge import AutoBridge
 
         bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        if value_head:
+            get_model_kwargs["post_model_creation_callbacks"] = _value_head_callbacks(bridge, path, get_model_kwargs)
         moe = bridge.config.num_moe_experts is not None
         overrides = tree_training_overrides(
             moe=moe, recompute=recompute, wrap_with_ddp=get_model_kwargs.get("wrap_with_ddp", False)
         )
         bridge.set_extra_args(**{**overrides, **(extra_args or {})})
         chunks = bridge.get_model(bf16=bf16, fp16=False, **get_model_kwargs)
+        if value_head:
+            _init_value_head(chunks, bridge.config.init_method_std)
         if load_weights:
             bridge.load_weights(chunks, path)
     if get_model_kwargs.get("wrap_with_ddp", False):
@@ -110,3 +122,30 @@ def build_tree_model(
 
         get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
     return bridge, chunks
+
+
+def _value_head_callbacks(bridge: Any, path: str, get_model_kwargs: dict[str, Any]) -> list:
+    """``post_model_creation_callbacks`` with mbridge's ``make_value_model`` added; refuses tied embeddings."""
+    from mbridge.utils.post_creation_callbacks import make_value_model
+
+    if getattr(bridge.hf_config, "tie_word_embeddings", False):
+        raise ValueError(
+            f"value_head=True needs untied embeddings, but {path} has tie_word_embeddings=True: mbridge 0.15.1 "
+            f"then maps the value head onto model.embed_tokens.weight and cannot load it (and under pipeline "
+            f"parallel megatron-core would sum the value head's gradient with the embedding's). Save an untied "
+            f"copy first: AutoModelForCausalLM.from_pretrained(path) with config.tie_word_embeddings=False and "
+            f"lm_head.weight = embed_tokens.weight cloned, then save_pretrained"
+        )
+    return [*get_model_kwargs.get("post_model_creation_callbacks", []), make_value_model]
+
+
+def _init_value_head(chunks: list[torch.nn.Module], std: float, seed: int = 0) -> None:
+    """Draw every value head weight ``[1, hidden]`` from N(0, std²) with a fixed-seed generator: the
+    same on every rank (mbridge's head is a plain ``torch.nn.Linear``, initialised from each rank's own
+    RNG state, so tensor-parallel replicas would differ)."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if name.endswith("output_layer.weight") and param.shape[0] == 1:
+                gen = torch.Generator().manual_seed(seed)
+                with torch.no_grad():
+                    param.copy_(torch.randn(param.shape, generator=gen).mul_(std).to(param))

@@ -30,7 +30,7 @@ from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.losses import value_loss
 from megatron_tree.packing import build_micro_batch
 from megatron_tree.patches import apply_compat_patches
-from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_hf_config, save_tiny_hf_checkpoint
 from schedule_parity import branching_batch
 
 
@@ -54,8 +54,6 @@ def main():
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
-    from mbridge.utils.post_creation_callbacks import make_value_model
-
     from megatron_tree.bridge import build_tree_model
     from megatron_tree.forward_only import tree_forward_only
     from megatron_tree.logprobs import vocab_parallel_logprobs
@@ -81,16 +79,18 @@ def main():
                 hf_path, tree=tree, recompute=args.recompute, wrap_with_ddp=True,
                 extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
                 ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-                post_model_creation_callbacks=[make_value_model] if value else [],
+                value_head=value,
             )  # fmt: skip
 
         # A critic from the policy's weights, its value head drawn here, saved with the bridge and
         # loaded back: the models under test read the head from that checkpoint.
         bridge, critic = build(path, value=True)
+        initial = torch.randn(1, bridge.hf_config.hidden_size, generator=torch.Generator().manual_seed(0))
         head = per_seq(3, 0, bridge.hf_config.hidden_size, 0.3)[None]
         for chunk in critic:
             for name, param in chunk.named_parameters():
-                if name.endswith("output_layer.weight"):
+                if name.endswith("output_layer.weight"):  # the same fixed-seed draw on every rank
+                    torch.testing.assert_close(param.detach().cpu(), initial * bridge.config.init_method_std)
                     param.data.copy_(head.to(param))
         value_path = os.path.join(args.ckpt, "critic")
         bridge.save_weights(critic, value_path)
@@ -154,12 +154,14 @@ def main():
                 (lambda: tree_forward_only(policy, tree_mbs, head="value"), "head must be one of"),
                 (lambda: tree_forward_only(critic, tree_mbs, head="scores", with_entropy=True), "needs head='logprobs'"),
                 (lambda: tree_forward_only(policy, tree_mbs, head="values"), "make_value_model"),
+                (lambda: build(save_hf_config("qwen3", os.path.join(args.ckpt, "tied"), tie_word_embeddings=True),
+                               value=True), "needs untied embeddings"),
             ]:  # fmt: skip
                 try:
                     call()
                 except ValueError as exc:
                     refused += match in str(exc)
-            assert refused == 4, refused
+            assert refused == 5, refused
 
         # One critic training step, tree vs one sequence per micro-batch: clipped value loss on
         # old values (the forward-only ones, moved per sequence) and random returns.
