@@ -6,11 +6,12 @@
   of the clipped value loss through ``tree_forward_backward(head="values")`` (loss, gradients).
 
 The reference is the same model on one sequence per micro-batch through the same schedule, and,
-without pipeline parallel, also the upstream (causal) model called on each sequence alone.
+without pipeline or expert parallel, also the upstream (causal) model called on each sequence alone.
 
     torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --tp 2 --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --pp 2 --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --ckpt DIR      # DP 2, unequal trees
+    torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --ep 2 --arch qwen3_moe --ckpt DIR
 
 Prints ``RLPASSES rank=R logprobs=.. entropy=.. values=.. scores=.. critic_loss_rel=.. critic_grad_rel=..``
 (max abs errors, relative for the critic) and exits non-zero above ``--tol``.
@@ -48,6 +49,8 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoints (shared by ranks)")
     ap.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
     ap.add_argument("--tol", type=float, default=1e-5)
@@ -65,14 +68,14 @@ def main():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl")
             ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                          virtual_pipeline_model_parallel_size=args.vpp)
+                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep)
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(7)
         else:
-            init_cpu_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=7)
+            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, seed=7)
         rank, device = dist.get_rank(), torch.device("cuda" if cuda else "cpu")
-        path = save_tiny_hf_checkpoint("qwen3", os.path.join(args.ckpt, "policy"), num_hidden_layers=4)
+        path = save_tiny_hf_checkpoint(args.arch, os.path.join(args.ckpt, "policy"), num_hidden_layers=4)
 
         def build(hf_path, *, tree=True, value=False):
             return build_tree_model(
@@ -131,7 +134,7 @@ def main():
             "logprobs": max_err(lp, ref_lp), "entropy": max_err(ent, ref_ent),
             "values": max_err(values, ref_values), "scores": max_err([scores], [ref_scores]),
         }  # fmt: skip
-        if args.pp == 1:  # also the upstream causal models, each sequence alone
+        if args.pp == 1 and args.ep == 1:  # also the upstream causal models, each sequence alone (EP: ranks differ)
             tp_group = ps.get_tensor_model_parallel_group() if args.tp > 1 else None
             flat_policy, flat_critic = build(path, tree=False)[1][0], build(value_path, tree=False, value=True)[1][0]
             with torch.no_grad():
@@ -154,7 +157,7 @@ def main():
                 (lambda: tree_forward_only(policy, tree_mbs, head="value"), "head must be one of"),
                 (lambda: tree_forward_only(critic, tree_mbs, head="scores", with_entropy=True), "needs head='logprobs'"),
                 (lambda: tree_forward_only(policy, tree_mbs, head="values"), "make_value_model"),
-                (lambda: build(save_hf_config("qwen3", os.path.join(args.ckpt, "tied"), tie_word_embeddings=True),
+                (lambda: build(save_hf_config(args.arch, os.path.join(args.ckpt, "tied"), tie_word_embeddings=True),
                                value=True), "needs untied embeddings"),
             ]:  # fmt: skip
                 try:
