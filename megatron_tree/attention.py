@@ -429,15 +429,21 @@ class TreeCoreAttention(MegatronModule):
 class TreeCoreAttentionTE(TreeCoreAttention):
     """:class:`TreeCoreAttention` in place of Transformer Engine's ``TEDotProductAttention``.
 
-    TE modules keep FP8 scaling state as ``_extra_state``, so TE-spec checkpoints (torch and
-    megatron dist checkpoints) hold ``...core_attention._extra_state``. This module keeps that
-    entry, empty (what TE writes without FP8): checkpoints move both ways between a tree model and
-    the upstream TE model with strict loading. Loaded FP8 attention state is dropped: tree
+    TE modules keep FP8 scaling state as ``_extra_state``, so TE-spec torch state dicts hold
+    ``...core_attention._extra_state``. This module keeps that entry, empty (what TE writes
+    without FP8), and like megatron-core's ``TEDotProductAttention`` puts nothing into distributed
+    checkpoints: checkpoints move both ways between a tree model and the upstream TE model with
+    strict loading. Loaded FP8 attention state is dropped: tree
     attention runs no FP8 kernel.
     """
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Empty, as megatron-core's ``TEDotProductAttention`` with vanilla softmax writes nothing to
+        distributed checkpoints (its ``_extra_state`` goes only into torch state dicts)."""
+        return {}
 
     def set_extra_state(self, state: Any) -> None:
         return None

@@ -110,6 +110,7 @@ def test_te_core_attention_becomes_tree_attention_that_keeps_te_extra_state(cpu_
     attn = TreeCoreAttentionTE(config(), 1, AttnMaskType.arbitrary, "self")
     state = attn.state_dict()
     assert list(state) == ["_extra_state"] and state["_extra_state"].numel() == 0
+    assert attn.sharded_state_dict() == {}  # as megatron-core's TEDotProductAttention
     # TE's FP8 scaling state (a non-empty pickled tensor) loads strictly and is dropped.
     attn.load_state_dict({"_extra_state": torch.ones(5, dtype=torch.uint8)}, strict=True)
     assert not TreeCoreAttention(config(), 1, AttnMaskType.arbitrary, "self").state_dict()
