@@ -201,7 +201,8 @@ class TrainConfig(_Section):
     steps: int = _field(5, "optimizer steps in total (a resumed run continues up to this many)")
     lr: float = _field(1e-3, "Adam learning rate (constant)")
     seed: int = _field(0, "seed of the tiny model's weights, synthetic data and Megatron's RNG")
-    tree_training: bool = _field(True, "pack shared prefixes as trees; false: the flat baseline on the same data")
+    tree_training: bool = _field(True, "pack shared prefixes as trees; false: the flat baseline on the same data "
+                                 "(with Transformer Engine on GPUs: Megatron's THD sequence packing, upstream model)")
     loss: str = _field("sft", "sft (token NLL) | grpo (PPO-clip on advantages)")
     kl_coef: float = _field(0.0, "grpo: weight of the k3 KL to ref_logprobs (rollouts must carry them)")
     clip_eps: float = _field(0.2, "grpo: PPO clip range")

@@ -75,16 +75,25 @@ def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
         )
 
 
+def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
+    """Whether the run builds a tree model: always, except for the flat baseline with Transformer
+    Engine on GPUs, which runs the upstream model on THD-packed sequences (``flat_forward_backward``)."""
+    from megatron_tree.config_overrides import have_transformer_engine
+
+    return cfg.train.tree_training or not (cuda and have_transformer_engine())
+
+
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     """``(model chunks, optimizer, bridge)``: tree model (DDP-wrapped) and Megatron's Adam."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_tree.bridge import build_tree_model
 
-    # Tree attention also runs the flat baseline (each sequence its own chain), so both
-    # modes use the same kernels; only the packing differs.
+    # The flat baseline (tree_training=False): with Transformer Engine, Megatron's sequence packing
+    # (the upstream model, THD segments through cuDNN attention); without it, the tree model's own
+    # kernels on flat packing (each sequence its own chain).
     bridge, model = build_tree_model(
-        path, backend=cfg.train.attention_backend, bf16=cfg.train.bf16, recompute=cfg.train.recompute,
+        path, tree=uses_tree_model(cfg, cuda), backend=cfg.train.attention_backend, bf16=cfg.train.bf16, recompute=cfg.train.recompute,
         load_weights=load, wrap_with_ddp=True,
         ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
     )
@@ -248,7 +257,14 @@ class Trainer:
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
         from megatron_tree.model_check import check_tree_model
 
-        check_tree_model(self.model)  # tree attention and per-token RoPE in every chunk, or one clear error
+        self.tree_model = uses_tree_model(cfg, self.cuda)
+        if self.tree_model:
+            check_tree_model(self.model)  # tree attention and per-token RoPE in every chunk, or one clear error
+        elif cfg.train.verify_tree_model:
+            raise ValueError(
+                "--verify-tree-model checks a tree model, but with Transformer Engine --no-tree-training runs the "
+                "upstream model on THD-packed sequences; drop one of the two flags"
+            )
         if cfg.train.verify_tree_model:
             from megatron_tree.verify import verify_tree_model
 
@@ -333,7 +349,7 @@ class Trainer:
 
     def step(self, batch: RolloutBatch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns the step's record (written to the sinks)."""
-        from megatron_tree.schedule import tree_forward_backward
+        from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
 
         seqs = batch.sequences
         if self.dp > 1:
@@ -348,7 +364,8 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = tree_forward_backward(self.model, mbs, make_loss_fn(self.cfg.train, batch, mine))
+        run = tree_forward_backward if self.tree_model else flat_forward_backward
+        losses = run(self.model, mbs, make_loss_fn(self.cfg.train, batch, mine))
         _, grad_norm, _ = self.optimizer.step()
         if self.cuda:
             torch.cuda.synchronize()
