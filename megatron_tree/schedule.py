@@ -221,6 +221,23 @@ def _finalize_grads_for_training(chunks: list[torch.nn.Module], config) -> None:
     Unset on other chunks: ``ValueError``, since the schedule would leave the gradients as
     undivided sums.
     """
+    # Megatron DDP's gradient buffers (lists; a plain module's `buffers` is nn.Module's method).
+    ddp_buffers = [
+        buffer
+        for chunk in chunks
+        for name in ("buffers", "expert_parallel_buffers")
+        if isinstance(getattr(chunk, name, None), list)
+        for buffer in getattr(chunk, name)
+    ]
+    scales = sorted({float(buffer.gradient_scaling_factor) for buffer in ddp_buffers})
+    if any(scale != 1.0 for scale in scales):
+        raise ValueError(
+            f"the model's DDP gradient buffers scale gradients by {scales} before reducing them: it was wrapped "
+            f"in Megatron's DistributedDataParallel before calculate_per_token_loss=True was set (or with "
+            f"average_in_collective=True), so gradients would also be divided by the data-parallel size. Set "
+            f"calculate_per_token_loss=True before wrapping (bridge.set_extra_args(calculate_per_token_loss=True) "
+            f"before bridge.get_model(wrap_with_ddp=True); build_tree_model does) and average_in_collective=False"
+        )
     if config.finalize_model_grads_func is not None:
         return
     wrapped = [hasattr(c, "finish_grad_sync") and hasattr(c, "scale_gradients") for c in chunks]

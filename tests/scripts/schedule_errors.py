@@ -60,6 +60,11 @@ def main():
         # Not wrapped in DDP and no finalize_model_grads_func: gradients would never be divided.
         expect(lambda: tree_forward_backward(model, mbs, good_loss), "finalize_model_grads_func is unset")
         config.finalize_model_grads_func = lambda *args, **kwargs: None  # the user's own: kept as it is
+        if ps.get_data_parallel_world_size() > 1:
+            # Wrapped in DDP before calculate_per_token_loss was set: its buffers pre-divide by DP.
+            _, ddp_model = build_tree_model(path, wrap_with_ddp=True, extra_args=dict(calculate_per_token_loss=False))
+            get_model_config(ddp_model[0]).calculate_per_token_loss = True
+            expect(lambda: tree_forward_backward(ddp_model, mbs, good_loss), "before calculate_per_token_loss=True")
         if args.vpp:
             three = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=3))
             assert len(three) == 3
