@@ -29,11 +29,14 @@ import difflib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import numpy as np
 
 from megatron_tree.synthetic import grpo_batch, multi_turn_batch
+
+if TYPE_CHECKING:
+    from megatron_tree.train.config import DataConfig
 
 FIELDS = ("input_ids", "loss_mask", "old_logprobs", "ref_logprobs", "group", "reward", "advantage")
 TOKEN_FIELDS = ("loss_mask", "old_logprobs", "ref_logprobs")
@@ -148,7 +151,7 @@ class SyntheticSource:
     ``seed + step`` (``seed`` alone with ``same_batch_every_step``): the same on every rank.
     Reward = share of token ids below ``vocab / 2``; groups = prompts / conversations."""
 
-    def __init__(self, data: "DataConfig", *, vocab: int, seed: int, need_advantages: bool):  # noqa: F821
+    def __init__(self, data: DataConfig, *, vocab: int, seed: int, need_advantages: bool):
         self.data, self.vocab, self.seed, self.need_advantages = data, data.vocab or vocab, seed, need_advantages
         if self.vocab > vocab:
             raise ValueError(f"data.vocab={data.vocab} exceeds the model's vocabulary ({vocab}); lower it or drop it")
@@ -190,16 +193,19 @@ def _check_names(names: list[str], where: str) -> None:
 
 def _token_array(value: Any, name: str, length: int | None, where: str) -> np.ndarray:
     """``value`` as a 1-D array of ``name``'s dtype (and ``length``), or ValueError naming ``where``."""
-    kind = {"input_ids": "ints", "loss_mask": "0/1 values"}.get(name, "numbers")
+    kind = {"input_ids": "ints", "loss_mask": "0/1 values"}.get(name, "finite numbers")
     try:
         arr = np.asarray(value)
     except ValueError:
         arr = np.asarray([], dtype=object)
-    ok = arr.ndim == 1 and arr.size > 0 and (
-        arr.dtype.kind in "iu" if name == "input_ids"
-        else arr.dtype.kind in "biu" and np.isin(arr, (0, 1)).all() if name == "loss_mask"
-        else arr.dtype.kind in "iuf"
-    )
+    if arr.ndim != 1 or arr.size == 0:
+        ok = False
+    elif name == "input_ids":
+        ok = arr.dtype.kind in "iu"
+    elif name == "loss_mask":
+        ok = arr.dtype.kind in "biu" and bool(np.isin(arr, (0, 1)).all())
+    else:
+        ok = arr.dtype.kind in "iuf" and bool(np.isfinite(arr).all())
     if not ok:
         shown = repr(value) if len(repr(value)) < 60 else repr(value)[:57] + "..."
         raise ValueError(f"{where}: field {name!r} must be a non-empty list of {kind}, got {shown}")
@@ -355,7 +361,7 @@ class FileSource:
             skip = 0
 
 
-def open_rollout_source(data, *, vocab: int, max_len: int, seed: int, need_advantages: bool,
+def open_rollout_source(data: DataConfig, *, vocab: int, max_len: int, seed: int, need_advantages: bool,
                         need_ref_logprobs: bool = False) -> RolloutSource:
     """The source ``data`` (:class:`~megatron_tree.train.config.DataConfig`) describes."""
     if data.path is None:
