@@ -88,7 +88,7 @@ def test_yaml_configs_load():
         ({"model": {"hf_path": "/nonexistent"}}, "model.hf_path '/nonexistent' is not a Hugging Face checkpoint"),
         ({"checkpoint": {"save_interval": 2}}, "checkpoint.save_interval needs checkpoint.save"),
         ({"model": {"random_init": True}, "checkpoint": {"export_hf": "x"}}, "export_hf needs a model built from"),
-        ({"train": {"kl_coef": 0.1}}, "train.kl_coef=0.1 applies to loss grpo only"),
+        ({"train": {"kl_coef": 0.1}}, "train.kl_coef=0.1 applies to losses grpo and ppo only"),
         ({"data": {"path": "rollouts.csv"}}, "data.path must be a file ending in .jsonl or .parquet"),
         ({"logging": {"wandb_mode": "cloud"}}, "logging.wandb_mode must be one of"),
     ],
@@ -126,6 +126,8 @@ def test_layers_must_split_over_pipeline_stages():
         (["--hf-path", "/nonexistent"], "model.hf_path (--hf-path) '/nonexistent' is not a Hugging Face checkpoint"),
         (["--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
         (["--tp", "2"], "world size 1 is not divisible by tp * pp = 2 * 1"),
+        (["--save", "/proc/no/such/dir"], "checkpoint.save '/proc/no/such/dir': cannot create the directory"),
+        (["--load", "/proc"], "--load '/proc': neither a checkpoint nor a directory with latest_checkpointed_iteration"),
         pytest.param(["--bf16"], "train.bf16 (--bf16) needs a CUDA GPU", marks=pytest.mark.skipif(
             torch.cuda.is_available(), reason="refused on CPU only")),
     ],

@@ -71,3 +71,11 @@ def test_export_hf_loads_in_transformers_and_training_continues_from_it(tmp_path
     three, one = records(tmp_path / "three.jsonl"), records(tmp_path / "one.jsonl")
     assert one[0]["loss"] == pytest.approx(three[2]["loss"], rel=1e-6)
     assert three[2]["loss"] < three[0]["loss"] - 0.5
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["--config", CONFIG, "--steps", "1", "--save", str(tmp_path)]) == 0
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3_4layers.yaml"), "--load", str(tmp_path),
+                 "--steps", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "iter_0000001: the checkpoint does not fit this model (Global shape mismatch" in err, err

@@ -111,7 +111,9 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
     """Load model, optimizer and RNG state from ``path`` (see :func:`resolve_checkpoint`).
     Returns ``(iteration, data position, whether the RNG state was restored)``."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.utils import unwrap_model
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = resolve_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(path)
@@ -121,7 +123,11 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
         del state["rng_state"]
     with warnings.catch_warnings():  # torch.distributed.checkpoint deprecations inside megatron-core's loader
         warnings.simplefilter("ignore", FutureWarning)
-        loaded = dist_checkpointing.load(state, path)
+        try:
+            loaded = dist_checkpointing.load(state, path)
+        except (CheckpointingException, CheckpointException) as e:
+            raise ValueError(f"--load {path}: the checkpoint does not fit this model ({_first_cause(e)}); "
+                             f"resume with the model config and parallel layout it was saved with") from None
     for i, chunk in enumerate(unwrap_model(model)):
         chunk.load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
     optimizer.load_state_dict(loaded["optimizer"])
@@ -129,3 +135,12 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
         _set_rng_state(loaded["rng_state"])
     return int(common["iteration"]), common["data"], has_rng
 
+
+
+def _first_cause(error: Exception) -> str:
+    """First line of the error behind ``error`` (torch's CheckpointException wraps one per rank)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))  # (exception, stack summary)
+        error = first[0] if isinstance(first, tuple) else first
+    return str(error).strip().splitlines()[0]

@@ -85,8 +85,6 @@ def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     """``(model chunks, optimizer, bridge)``: tree model (DDP-wrapped) and Megatron's Adam."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     from megatron_tree.bridge import build_tree_model
 
     # The flat baseline (tree_training=False): with Transformer Engine, Megatron's sequence packing
@@ -97,13 +95,19 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
         load_weights=load, wrap_with_ddp=True,
         ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
     )
-    # megatron-core's gradient clipping asserts CUDA tensors: clip on GPUs only.
-    optimizer = get_megatron_optimizer(
+    return model, make_optimizer(cfg, model, cuda), bridge
+
+
+def make_optimizer(cfg: RunConfig, model: list[torch.nn.Module], cuda: bool):
+    """Megatron's Adam over ``model`` (``train.lr``; gradient clipping at 1.0 on GPUs only:
+    megatron-core's clipping asserts CUDA tensors)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    return get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=cfg.train.lr, bf16=cfg.train.bf16, clip_grad=1.0 if cuda else 0.0,
                         use_distributed_optimizer=False),
         model,
     )
-    return model, optimizer, bridge
 
 
 def _range_gather(offsets: np.ndarray, ids: list[int]) -> torch.Tensor:
@@ -249,6 +253,7 @@ class Trainer:
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
 
+        self._make_output_dirs()
         path, load = self._model_path()
         from transformers import AutoConfig
 
@@ -265,6 +270,12 @@ class Trainer:
                 "--verify-tree-model checks a tree model, but with Transformer Engine --no-tree-training runs the "
                 "upstream model on THD-packed sequences; drop one of the two flags"
             )
+        self.ppo = None
+        if cfg.train.loss == "ppo":  # reference, critic (+ optimizer) and reward model
+            from megatron_tree.train.ppo import build_ppo_models
+
+            self.ppo = build_ppo_models(cfg, path, load, self.model, lambda m: make_optimizer(cfg, m, self.cuda),
+                                        tree=self.tree_model)  # fmt: skip
         if cfg.train.verify_tree_model:
             from megatron_tree.verify import verify_tree_model
 
@@ -276,7 +287,7 @@ class Trainer:
         self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor))
         self.source = open_rollout_source(
             cfg.data, vocab=self.vocab, max_len=mb.max_tokens_per_mb, seed=cfg.train.seed,
-            need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.kl_coef > 0,
+            need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.loss == "grpo" and cfg.train.kl_coef > 0,
         )
         if cfg.checkpoint.load:
             self.iteration, position, rng_restored = checkpoint.load_checkpoint(
@@ -304,6 +315,17 @@ class Trainer:
         if m.random_init:
             return save_hf_config(m.arch, self._tmp_dir, **m.hf_overrides), False
         return save_tiny_hf_checkpoint(m.arch, self._tmp_dir, seed=self.cfg.train.seed, **m.hf_overrides), True
+
+    def _make_output_dirs(self) -> None:
+        """Create the checkpoint and export directories now (rank 0), so a bad path fails before training."""
+        ckpt = self.cfg.checkpoint
+        for key in ("save", "export_hf"):
+            path = getattr(ckpt, key)
+            if path and self.rank == 0:
+                try:
+                    os.makedirs(path, exist_ok=True)
+                except OSError as e:
+                    raise ValueError(f"checkpoint.{key} {path!r}: cannot create the directory ({e.strerror})") from None
 
     def _open_sinks(self, config_source: str) -> None:
         log, resumed = self.cfg.logging, self.iteration > 0
@@ -361,17 +383,25 @@ class Trainer:
         mbs = pack_trees([seqs[i] for i in mine], self.spec, dp_group=self.dp_group,
                          share_prefixes=self.cfg.train.tree_training)
         pack_s = time.perf_counter() - t0
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        run = tree_forward_backward if self.tree_model else flat_forward_backward
-        losses = run(self.model, mbs, make_loss_fn(self.cfg.train, batch, mine))
-        _, grad_norm, _ = self.optimizer.step()
+        extra: dict[str, Any] = {}
+        if self.ppo is None:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            run = tree_forward_backward if self.tree_model else flat_forward_backward
+            losses = run(self.model, mbs, make_loss_fn(self.cfg.train, batch, mine))
+            _, grad_norm, _ = self.optimizer.step()
+        else:  # every model pass of a PPO step (megatron_tree.train.ppo)
+            from megatron_tree.train.ppo import ppo_step
+
+            masks = None if batch.loss_mask is None else [batch.loss_mask[i] for i in mine]
+            extra = ppo_step(self.cfg, self.model, self.optimizer, self.ppo, mbs, masks, tree=self.tree_model)
+            losses, grad_norm = extra.pop("losses"), extra.pop("grad_norm")
         if self.cuda:
             torch.cuda.synchronize()
         self.iteration += 1
         record = step_record(self.iteration, losses, mbs, self.spec, seqs, shares, time.perf_counter() - t0, pack_s,
-                             grad_norm, self.cuda)
+                             grad_norm, self.cuda) | extra
         for sink in self.sinks:
             sink.write(record)
         return record
