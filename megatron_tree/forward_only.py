@@ -24,7 +24,7 @@ from megatron_tree.microbatch import TreeMicroBatch
 from megatron_tree.model_check import check_tree_model
 from megatron_tree.schedule import HEADS, _run_schedule
 
-__all__ = ["tree_forward_only"]
+__all__ = ["flat_forward_only", "tree_forward_only"]
 
 
 def _sizes(mb: TreeMicroBatch, head: str, with_entropy: bool) -> list[int]:
@@ -78,6 +78,26 @@ def tree_forward_only(
     """
     chunks = model if isinstance(model, list) else [model]
     check_tree_model(chunks)
+    return _forward_only(chunks, mbs, head, with_entropy, temperature, tp_group, thd=False)
+
+
+def flat_forward_only(
+    model: torch.nn.Module | list[torch.nn.Module],
+    mbs: Sequence[TreeMicroBatch],
+    *,
+    head: str = "logprobs",
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor:
+    """:func:`tree_forward_only` for the flat baseline: flat micro-batches (``pack_trees(...,
+    share_prefixes=False)``) through an upstream model, each sequence a THD segment, as
+    :func:`~megatron_tree.schedule.flat_forward_backward` runs them (needs Transformer Engine)."""
+    chunks = model if isinstance(model, list) else [model]
+    return _forward_only(chunks, mbs, head, with_entropy, temperature, tp_group, thd=True)
+
+
+def _forward_only(chunks, mbs, head, with_entropy, temperature, tp_group, *, thd: bool):
     ids = [sid for mb in mbs for sid in mb.sequence_ids]
     if sorted(ids) != list(range(len(ids))):
         raise ValueError(
@@ -86,7 +106,7 @@ def tree_forward_only(
         )
     with torch.no_grad():
         collected = _run_schedule(
-            chunks, mbs, None, True, temperature, tp_group, thd=False, head=head, with_entropy=with_entropy,
+            chunks, mbs, None, True, temperature, tp_group, thd=thd, head=head, with_entropy=with_entropy,
             collect=True,
         )  # fmt: skip
     sizes = [_sizes(mb, head, with_entropy) for mb in mbs]

@@ -32,7 +32,7 @@ from megatron_tree.microbatch_spec import MicroBatchSpec
 ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
 WORKLOADS = ("grpo", "multi_turn")
 RECOMPUTE = ("none", "full", "selective")
-LOSSES = ("sft", "grpo")
+LOSSES = ("sft", "grpo", "ppo")
 BALANCE = ("kk", "ffd", "round_robin")
 BACKENDS = ("auto", "dense", "flex")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -203,9 +203,16 @@ class TrainConfig(_Section):
     seed: int = _field(0, "seed of the tiny model's weights, synthetic data and Megatron's RNG")
     tree_training: bool = _field(True, "pack shared prefixes as trees; false: the flat baseline on the same data "
                                  "(with Transformer Engine on GPUs: Megatron's THD sequence packing, upstream model)")
-    loss: str = _field("sft", "sft (token NLL) | grpo (PPO-clip on advantages)")
-    kl_coef: float = _field(0.0, "grpo: weight of the k3 KL to ref_logprobs (rollouts must carry them)")
-    clip_eps: float = _field(0.2, "grpo: PPO clip range")
+    loss: str = _field("sft", "sft (token NLL) | grpo (PPO-clip on advantages) | ppo (actor + critic: reference, "
+                       "critic and reward-model passes, GAE; megatron_tree.train.ppo)")
+    kl_coef: float = _field(0.0, "grpo: weight of the k3 KL to ref_logprobs (rollouts must carry them); ppo: "
+                            "per-token KL penalty to the reference model in the reward")
+    clip_eps: float = _field(0.2, "grpo, ppo: PPO clip range")
+    gamma: float = _field(1.0, "ppo: GAE discount")
+    lam: float = _field(0.95, "ppo: GAE lambda")
+    value_clip: float = _field(0.2, "ppo: clip range of the critic's value loss")
+    reward_model: str | None = _field(None, "ppo: HF checkpoint of the reward model (value head, lm_head.weight "
+                                      "[1, hidden]); null: the actor's checkpoint with a fixed-seed value head")
     recompute: str = _field("none", "activation recompute: none | full | selective")
     bf16: bool = _field(False, "bf16 weights and activations (needs a CUDA GPU)")
     balance: str = _field("kk", "split of a batch over data-parallel ranks: kk | ffd | round_robin")
@@ -217,6 +224,9 @@ class TrainConfig(_Section):
         self._need(self.lr > 0, "lr", "> 0")
         self._need(self.kl_coef >= 0, "kl_coef", ">= 0")
         self._need(0 < self.clip_eps < 1, "clip_eps", "in (0, 1)")
+        self._need(0 <= self.gamma <= 1, "gamma", "in [0, 1]")
+        self._need(0 <= self.lam <= 1, "lam", "in [0, 1]")
+        self._need(self.value_clip > 0, "value_clip", "> 0")
         for key, valid in (("loss", LOSSES), ("recompute", RECOMPUTE), ("balance", BALANCE),
                            ("attention_backend", BACKENDS)):
             self._need(getattr(self, key) in valid, key, f"one of {valid}")
@@ -278,10 +288,12 @@ class RunConfig:
         if self.checkpoint.export_hf and self.model.random_init:
             raise ValueError("checkpoint.export_hf needs a model built from Hugging Face weights; model.random_init "
                              "models have none to map onto (set random_init: false)")
-        if self.train.kl_coef > 0 and self.train.loss != "grpo":
-            raise ValueError(f"train.kl_coef={self.train.kl_coef} applies to loss grpo only; set train.loss: grpo "
+        if self.train.kl_coef > 0 and self.train.loss == "sft":
+            raise ValueError(f"train.kl_coef={self.train.kl_coef} applies to losses grpo and ppo only; set train.loss "
                              f"or drop kl_coef")
-        if self.train.kl_coef > 0 and self.data.path is None:
+        if self.train.loss == "ppo" and (self.checkpoint.save or self.checkpoint.load):
+            raise ValueError("train.loss ppo does not checkpoint its critic yet: drop checkpoint.save / checkpoint.load")
+        if self.train.kl_coef > 0 and self.train.loss == "grpo" and self.data.path is None:
             raise ValueError("train.kl_coef > 0 needs reference log-probs: rollouts from data.path with ref_logprobs")
 
     @classmethod

@@ -1,0 +1,191 @@
+"""PPO in the launcher (``train.loss: ppo``): every model pass of an RL step on the same micro-batches.
+
+Per step, on this rank's micro-batches (prefix trees, or with ``tree_training: false`` each
+sequence its own chain; the numbers agree):
+
+1. forward only (:func:`~megatron_tree.forward_only.tree_forward_only`): the actor's log-probs
+   (the old policy), the reference model's, the critic's per-token values and the reward
+   model's per-sequence scores;
+2. per-token rewards on each sequence's loss tokens: ``-kl_coef * (old - ref)`` (a KL penalty
+   to the reference), plus the sequence's score at its last loss token;
+3. GAE over each sequence's loss tokens (:func:`gae`): advantages, returns = advantages + values;
+4. the actor's update (PPO-clip on the advantages) and the critic's (clipped value loss on the
+   returns), one optimizer step each.
+
+Models (:func:`build_ppo_models`): the reference is a frozen copy of the actor as the run starts;
+the critic and the reward model are value-head models (``build_tree_model(value_head=True)``),
+the critic from the actor's checkpoint, the reward model from ``train.reward_model`` or, without
+one, the actor's checkpoint with a fixed-seed value head (a deterministic stand-in reward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tree.losses import ppo_clip_loss, value_loss
+
+
+@dataclasses.dataclass
+class PPOModels:
+    """What PPO adds to the actor: ``reference`` / ``reward`` model chunks (forward only), the
+    ``critic`` chunks (DDP) and its optimizer."""
+
+    reference: list[torch.nn.Module]
+    critic: list[torch.nn.Module]
+    critic_optimizer: Any
+    reward: list[torch.nn.Module]
+
+
+def build_ppo_models(
+    cfg, path: str, load: bool, actor: list[torch.nn.Module], make_optimizer, *, tree: bool
+) -> PPOModels:
+    """Build the reference (a copy of ``actor``'s current weights), critic (+ optimizer from
+    ``make_optimizer(chunks)``) and reward model for the run ``cfg`` from the HF checkpoint ``path``;
+    tree models, or with ``tree=False`` upstream ones (the THD flat baseline)."""
+    from megatron_tree.bridge import build_tree_model
+
+    t = cfg.train
+    common = dict(tree=tree, backend=t.attention_backend, bf16=t.bf16, recompute=t.recompute)
+    ddp = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+    _, reference = build_tree_model(path, load_weights=False, wrap_with_ddp=False, **common)
+    with torch.no_grad():
+        for ref_chunk, chunk in zip(reference, actor):
+            for ref_param, param in zip(ref_chunk.parameters(), chunk.parameters(), strict=True):
+                ref_param.copy_(param)
+            ref_chunk.requires_grad_(False)
+    _, critic = build_tree_model(path, load_weights=load, value_head=True, wrap_with_ddp=True, ddp_config=ddp,
+                                 **common)  # fmt: skip
+    reward_path = t.reward_model or path
+    _, reward = build_tree_model(reward_path, load_weights=load or bool(t.reward_model), value_head=True,
+                                 wrap_with_ddp=False, **common)  # fmt: skip
+    for chunk in reward:
+        chunk.requires_grad_(False)
+    return PPOModels(reference=reference, critic=critic, critic_optimizer=make_optimizer(critic), reward=reward)
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, lengths: list[int], *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over concatenated trajectories.
+
+    ``rewards``, ``values``: [M] float, trajectory k at ``sum(lengths[:k]) + [0, lengths[k])``
+    (one entry per step; the value after a trajectory's last step is 0). Returns
+    ``(advantages [M], returns [M])`` with ``A_t = sum_j (gamma lam)^j delta_{t+j}``,
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` and returns ``A + V``. One vector op per step of the
+    longest trajectory.
+    """
+    n, width = len(lengths), max(lengths, default=0)
+    lens = torch.tensor(lengths, device=values.device)
+    valid = torch.arange(width, device=values.device)[None] < lens[:, None]  # [n, width]
+    r = values.new_zeros(n, width).masked_scatter_(valid, rewards.to(values.dtype))
+    v = values.new_zeros(n, width).masked_scatter_(valid, values)
+    delta = r + gamma * torch.cat([v[:, 1:], v.new_zeros(n, 1)], 1) - v  # 0 past each trajectory's end
+    advantages = torch.zeros_like(delta)
+    running = delta.new_zeros(n)
+    for step in range(width - 1, -1, -1):
+        running = delta[:, step] + gamma * lam * running
+        advantages[:, step] = running
+    return advantages[valid], (advantages + v)[valid]
+
+
+def _global_loss(losses: list[dict], device) -> tuple[float, int]:
+    """(loss sum / count, count) over the whole job from Megatron's per-micro-batch loss dicts
+    (filled on last pipeline stages, once per TP rank)."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for item in losses:
+        total += item["loss"].to(total)
+    dist.all_reduce(total)
+    total /= ps.get_tensor_model_parallel_world_size()
+    return float(total[0] / total[1].clamp(min=1)), int(total[1])
+
+
+def ppo_step(
+    cfg, actor, actor_optimizer, models: PPOModels, mbs, loss_masks: list[np.ndarray] | None, *, tree: bool
+) -> dict:
+    """One PPO step on this rank's micro-batches ``mbs`` (their ``sequence_ids`` index this rank's
+    sequences); ``loss_masks``: per sequence bool [L] aligned with its tokens (entry 0 unused), or
+    None for all tokens; ``tree=False``: upstream models on THD-packed flat micro-batches. Returns
+    Megatron's actor ``losses``, the actor's ``grad_norm`` and the step's PPO metrics (the same on
+    every rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.forward_only import flat_forward_only, tree_forward_only
+    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
+
+    t = cfg.train
+    forward_only = tree_forward_only if tree else flat_forward_only
+    train_step = tree_forward_backward if tree else flat_forward_backward
+    device = next(actor[0].parameters()).device
+    old = forward_only(actor, mbs)
+    ref = forward_only(models.reference, mbs)
+    old_values = forward_only(models.critic, mbs, head="values")
+    scores = forward_only(models.reward, mbs, head="scores")
+
+    masks = [torch.ones(lp.numel(), dtype=torch.bool) if loss_masks is None else torch.from_numpy(loss_masks[k][1:])
+             for k, lp in enumerate(old)]  # fmt: skip
+    lengths = [int(m.sum()) for m in masks]
+    mask = torch.cat(masks).to(device) if masks else torch.zeros(0, dtype=torch.bool, device=device)
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, device=device)  # noqa: E731
+    kl = (cat(old) - cat(ref))[mask]
+    rewards = -t.kl_coef * kl
+    has_tokens = torch.tensor(lengths, device=device) > 0
+    ends = torch.tensor(np.cumsum(lengths, dtype=np.int64) - 1, device=device)[has_tokens]
+    rewards[ends] += scores[has_tokens].to(rewards)
+    adv_c, ret_c = gae(rewards, cat(old_values)[mask], lengths, gamma=t.gamma, lam=t.lam)
+    splits = [lp.numel() for lp in old]
+    advantages = torch.zeros_like(mask, dtype=torch.float32).masked_scatter_(mask, adv_c).split(splits)
+    returns = torch.zeros_like(mask, dtype=torch.float32).masked_scatter_(mask, ret_c).split(splits)
+    masks = [m.to(device) for m in masks]
+
+    def gather(xs, ids):
+        return torch.cat([xs[i] for i in ids])
+
+    def actor_loss(logprobs, mb):
+        ids = mb.sequence_ids
+        if not ids:
+            return logprobs.sum(), 0
+        loss, m = ppo_clip_loss(logprobs, gather(old, ids), gather(advantages, ids), mb.cu_seqlens,
+                                loss_mask=gather(masks, ids), clip_eps=t.clip_eps, reduction="sum")  # fmt: skip
+        return loss, m["normalizer"]
+
+    def critic_loss(values, mb):
+        ids = mb.sequence_ids
+        if not ids:
+            return values.sum(), 0
+        loss, m = value_loss(values, gather(old_values, ids), gather(returns, ids), mb.cu_seqlens,
+                             loss_mask=gather(masks, ids), clip_eps=t.value_clip, reduction="sum")  # fmt: skip
+        return loss, m["normalizer"]
+
+    results = {}
+    for name, chunks, optimizer, loss_fn, head in [
+        ("actor", actor, actor_optimizer, actor_loss, "logprobs"),
+        ("critic", models.critic, models.critic_optimizer, critic_loss, "values"),
+    ]:
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = train_step(chunks, mbs, loss_fn, head=head)
+        _, grad_norm, _ = optimizer.step()
+        results[name] = (losses, grad_norm)
+
+    # Per-sequence statistics over the data-parallel group (identical on TP / PP ranks).
+    stats = torch.tensor([float(scores.sum()), len(old), float(kl.sum()), kl.numel()], dtype=torch.float64,
+                         device=device)  # fmt: skip
+    dist.all_reduce(stats, group=ps.get_data_parallel_group())
+    critic_loss_value, _ = _global_loss(results["critic"][0], device)
+    critic_norm = results["critic"][1]
+    return dict(
+        losses=results["actor"][0],
+        grad_norm=results["actor"][1],
+        critic_loss=critic_loss_value,
+        critic_grad_norm=float(critic_norm) if critic_norm is not None else None,
+        score_mean=float(stats[0] / stats[1].clamp(min=1)),
+        kl_mean=float(stats[2] / stats[3].clamp(min=1)),
+    )
