@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 
 from megatron_tree.microbatch import TreeMicroBatch
 from megatron_tree.model_check import check_tree_model
-from megatron_tree.schedule import HEADS, _run_schedule
+from megatron_tree.schedule import _run_schedule
 
 __all__ = ["flat_forward_only", "tree_forward_only"]
 
@@ -125,8 +125,8 @@ def _forward_only(chunks, mbs, head, with_entropy, temperature, tp_group, *, thd
         )
 
     per_seq: list[torch.Tensor | None] = [None] * len(ids)
-    for mb, pieces in zip(mbs, flat.split([sum(s) for s in sizes])):
-        for sid, piece in zip(mb.sequence_ids, pieces.split(_sizes(mb, head, with_entropy))):
+    for mb, mb_sizes, pieces in zip(mbs, sizes, flat.split([sum(s) for s in sizes])):
+        for sid, piece in zip(mb.sequence_ids, pieces.split(mb_sizes)):
             per_seq[sid] = piece
     if head == "scores":
         return torch.cat(per_seq) if per_seq else flat
