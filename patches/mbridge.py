@@ -9,6 +9,7 @@ needs in this process, empty when the installed versions do not have it; applied
 - :func:`local_layer_spec` -- no Transformer Engine: build megatron-core's local spec.
 - :func:`local_spec_weight_names` -- map the local spec's parameter names to HF names.
 - :func:`qwen_moe_norm_topk_prob` -- follow the HF config's ``norm_topk_prob`` in the router.
+- :func:`tied_embedding_mapping_per_bridge` -- a tied-embedding bridge must not rename ``output_layer`` for all others.
 
 The class-level swaps last only while the block is open. What a bridge built inside it needs
 later is stored on that bridge and stays for its whole life: the local-spec weight-name
@@ -250,6 +251,41 @@ def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
     ]
 
 
+def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
+    """Keep a tied-embedding checkpoint's ``output_layer.weight -> model.embed_tokens.weight`` on its own bridge.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``_adjust_mapping_for_shared_weights``
+    (Qwen2 and its subclasses Qwen3 / Qwen2.5-VL, Gemma3, InternVL3) writes into the *class*
+    ``_DIRECT_MAPPING`` dict when ``tie_word_embeddings`` is set, so after one tied bridge every later
+    bridge of that family, tied or not, maps ``output_layer.weight`` onto the embedding: an untied
+    model then loads its embedding as ``lm_head`` or fails (``Weights set() not found``), e.g. a
+    critic or reward model (untied, value head) built in the process of a tied actor. Wraps each
+    override to give the bridge its own copy of ``_DIRECT_MAPPING`` first; the class dict is never
+    written. Bridges built inside the block keep their copy for their whole life.
+    """
+    from mbridge.core.bridge import Bridge
+
+    def all_subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from all_subclasses(sub)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def _adjust_mapping_for_shared_weights(self):
+            self._DIRECT_MAPPING = dict(self._DIRECT_MAPPING)
+            original(self)
+
+        return _adjust_mapping_for_shared_weights
+
+    why = "mbridge writes the tied-embedding mapping into the class dict"
+    return [
+        AttrPatch(cls, "_adjust_mapping_for_shared_weights", wrap(vars(cls)["_adjust_mapping_for_shared_weights"]), why)
+        for cls in all_subclasses(Bridge)
+        if "_adjust_mapping_for_shared_weights" in vars(cls)
+    ]
+
+
 def compat_patches() -> list[AttrPatch]:
     """The mbridge compatibility patches this process needs (see each function)."""
     return (
@@ -258,6 +294,7 @@ def compat_patches() -> list[AttrPatch]:
         + local_layer_spec()
         + local_spec_weight_names()
         + qwen_moe_norm_topk_prob()
+        + tied_embedding_mapping_per_bridge()
     )
 
 

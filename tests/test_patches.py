@@ -45,6 +45,7 @@ PIECES = [
     mbridge_patches.local_layer_spec,
     mbridge_patches.local_spec_weight_names,
     mbridge_patches.qwen_moe_norm_topk_prob,
+    mbridge_patches.tied_embedding_mapping_per_bridge,
     megatron_core_patches.moe_te_general_gemm,
     megatron_core_patches.cpu_rng_state,
 ]
@@ -191,6 +192,22 @@ def test_router_follows_norm_topk_prob(tmp_path, cpu_dist):
         bridge.set_extra_args(moe_router_pre_softmax=False)  # an explicit choice wins
         assert not bridge.config.moe_router_pre_softmax
     assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+
+
+def test_tied_bridge_keeps_its_output_mapping_to_itself(tmp_path, cpu_dist):
+    """mbridge writes a tied checkpoint's output_layer -> embed_tokens mapping into the class dict;
+    under the patches it stays on that bridge, and an untied model built later loads its lm_head."""
+    tied = save_tiny_hf_checkpoint("qwen2", tmp_path / "tied", tie_word_embeddings=True)
+    untied = save_tiny_hf_checkpoint("qwen2", tmp_path / "untied")
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        tied_bridge, _ = build_tree_model(tied, tree=False)
+        _, chunks = build_tree_model(untied, tree=False)
+        with torch.no_grad():
+            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+    assert tied_bridge._DIRECT_MAPPING["output_layer.weight"] == "model.embed_tokens.weight"
+    assert type(tied_bridge)._DIRECT_MAPPING["output_layer.weight"] == "lm_head.weight"
+    assert (logits - hf_reference_logits(untied, input_ids)).abs().max().item() < 1e-5
 
 
 class _Wrapped(torch.nn.Module):
