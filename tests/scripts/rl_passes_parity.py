@@ -14,7 +14,12 @@ without pipeline or expert parallel, also the upstream (causal) model called on 
     torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --ep 2 --arch qwen3_moe --ckpt DIR
 
 Prints ``RLPASSES rank=R logprobs=.. entropy=.. values=.. scores=.. critic_loss_rel=.. critic_grad_rel=..``
-(max abs errors, relative for the critic) and exits non-zero above ``--tol``.
+(max abs errors, relative for the critic) and exits non-zero above ``--tol``. With Transformer
+Engine (GPUs) also the flat path Megatron users run (upstream models, THD-packed sequences:
+``flat_forward_only`` / ``flat_forward_backward``) against the same reference, ``PATH rank=R
+te_thd_flat_fp32 ...``. ``--bf16`` runs every path again in bf16 against the fp32 per-sequence
+results (``PATH ... tree_bf16 / flat_bf16 / te_thd_flat_bf16``) and fails unless the tree's error
+is at most 2x the worst flat path's, per quantity (on GPUs set ``NVIDIA_TF32_OVERRIDE=0`` for fp32).
 """
 
 from __future__ import annotations
@@ -54,13 +59,16 @@ def main():
     ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoints (shared by ranks)")
     ap.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--bf16", action="store_true", help="also run every pass in bf16; each path against the fp32 "
+                    "per-sequence results, the tree's error at most 2x the flat paths' worst")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
     from megatron_tree.bridge import build_tree_model
-    from megatron_tree.forward_only import tree_forward_only
+    from megatron_tree.config_overrides import have_transformer_engine
+    from megatron_tree.forward_only import flat_forward_only, tree_forward_only
     from megatron_tree.logprobs import vocab_parallel_logprobs
-    from megatron_tree.schedule import tree_forward_backward
+    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
 
     cuda = torch.cuda.is_available()
     with apply_compat_patches(), cpu_mode():
@@ -77,9 +85,9 @@ def main():
         rank, device = dist.get_rank(), torch.device("cuda" if cuda else "cpu")
         path = save_tiny_hf_checkpoint(args.arch, os.path.join(args.ckpt, "policy"), num_hidden_layers=4)
 
-        def build(hf_path, *, tree=True, value=False):
+        def build(hf_path, *, tree=True, value=False, bf16=False):
             return build_tree_model(
-                hf_path, tree=tree, recompute=args.recompute, wrap_with_ddp=True,
+                hf_path, tree=tree, bf16=bf16, recompute=args.recompute, wrap_with_ddp=True,
                 extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
                 ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
                 value_head=value,
@@ -178,10 +186,10 @@ def main():
             loss, metrics = value_loss(values, cat(old), cat(returns), mb.cu_seqlens, clip_eps=0.2, reduction="sum")
             return loss, metrics["normalizer"]
 
-        def step(mbs):
+        def step(mbs, critic=critic, run=tree_forward_backward):
             for chunk in critic:
                 chunk.zero_grad_buffer()
-            losses = tree_forward_backward(critic, mbs, critic_loss, head="values")
+            losses = run(critic, mbs, critic_loss, head="values")
             total = torch.zeros(2, dtype=torch.float64, device=device)
             for item in losses:
                 total += item["loss"].to(total)
@@ -198,6 +206,40 @@ def main():
               + f" max|logprob|={max_err(lp, [0 * x for x in lp]):.2f} max|value|={max_err(values, [0 * x for x in values]):.2f}",
               flush=True)
         ok = all(v <= args.tol for v in errors.values()) and float(seq_grad.abs().max()) > 0
+
+        # With Transformer Engine (GPUs): the flat path Megatron users run, upstream models on THD-packed
+        # sequences. With --bf16: every path in bf16 against the fp32 per-sequence results.
+        want = dict(logprobs=ref_lp, entropy=ref_ent, values=ref_values, scores=[ref_scores])
+        thd = cuda and have_transformer_engine()
+        thd_mbs = pack_trees(local, spec, dp_group=dp_group if dp > 1 else None, share_prefixes=False)
+
+        def all_passes(policy, critic, mbs, forward_only, run):
+            got_lp, got_ent = forward_only(policy, mbs, with_entropy=True)
+            got = dict(logprobs=got_lp, entropy=got_ent, values=forward_only(critic, mbs, head="values"),
+                       scores=[forward_only(critic, mbs, head="scores")])
+            errs = {key: max_err(got[key], want[key]) for key in want}
+            loss, grad = step(mbs, critic, run)
+            errs["critic_loss_rel"] = abs(loss - seq_loss) / abs(seq_loss)
+            errs["critic_grad_rel"] = float((grad - seq_grad).abs().max() / seq_grad.abs().max())
+            return errs
+
+        paths = {}
+        for bf16 in [False, True] if args.bf16 else [False]:
+            kind = "bf16" if bf16 else "fp32"
+            if bf16:
+                policy, critic = build(path, bf16=True)[1], build(value_path, value=True, bf16=True)[1]
+                paths["tree_bf16"] = all_passes(policy, critic, tree_mbs, tree_forward_only, tree_forward_backward)
+                paths["flat_bf16"] = all_passes(policy, critic, seq_mbs, tree_forward_only, tree_forward_backward)
+            if thd:
+                policy, critic = build(path, tree=False, bf16=bf16)[1], build(value_path, tree=False, value=True, bf16=bf16)[1]
+                paths[f"te_thd_flat_{kind}"] = all_passes(policy, critic, thd_mbs, flat_forward_only, flat_forward_backward)
+        for name, errs in paths.items():
+            print(f"PATH rank={rank} {name} " + " ".join(f"{k}={v:.3e}" for k, v in errs.items()), flush=True)
+        if thd:
+            ok = ok and all(v <= args.tol for v in paths["te_thd_flat_fp32"].values())
+        if args.bf16:  # FlashAttention's rule: the tree within 2x the worst flat bf16 path, per quantity
+            flats = [errs for name, errs in paths.items() if name.endswith("bf16") and name != "tree_bf16"]
+            ok = ok and all(v <= 2 * max(f[k] for f in flats) for k, v in paths["tree_bf16"].items())
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
