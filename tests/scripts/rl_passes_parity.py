@@ -64,6 +64,7 @@ def main():
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
     from megatron_tree.bridge import build_tree_model
     from megatron_tree.config_overrides import have_transformer_engine
     from megatron_tree.forward_only import flat_forward_only, tree_forward_only
@@ -142,7 +143,9 @@ def main():
             "logprobs": max_err(lp, ref_lp), "entropy": max_err(ent, ref_ent),
             "values": max_err(values, ref_values), "scores": max_err([scores], [ref_scores]),
         }  # fmt: skip
-        if args.pp == 1 and args.ep == 1:  # also the upstream causal models, each sequence alone (EP: ranks differ)
+        # Also the upstream causal models, each sequence alone (not under EP: the ranks' sequences differ;
+        # not under sequence parallel: a lone sequence's length need not split over TP).
+        if args.pp == 1 and args.ep == 1 and not get_model_config(policy[0]).sequence_parallel:
             tp_group = ps.get_tensor_model_parallel_group() if args.tp > 1 else None
             flat_policy, flat_critic = build(path, tree=False)[1][0], build(value_path, tree=False, value=True)[1][0]
             with torch.no_grad():
