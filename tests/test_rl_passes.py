@@ -23,5 +23,6 @@ def test_rl_passes_equal_per_sequence(tmp_path, args):
     assert len(rows) == 2, out[-3000:]
     for _, fields in rows:
         errors = {k: float(v) for k, v in (f.split("=") for f in fields.split())}
-        assert set(errors) == {"logprobs", "entropy", "values", "scores", "critic_loss_rel", "critic_grad_rel"}
+        assert set(errors) == {"logprobs", "entropy", "values", "scores", "critic_loss_rel", "critic_grad_rel",
+                               "actor_entropy_grad_rel"}
         assert max(errors.values()) < 1e-5, fields

@@ -189,10 +189,10 @@ def main():
             loss, metrics = value_loss(values, cat(old), cat(returns), mb.cu_seqlens, clip_eps=0.2, reduction="sum")
             return loss, metrics["normalizer"]
 
-        def step(mbs, critic=critic, run=tree_forward_backward):
+        def step(mbs, critic=critic, run=tree_forward_backward, loss_fn=critic_loss, **head):
             for chunk in critic:
                 chunk.zero_grad_buffer()
-            losses = run(critic, mbs, critic_loss, head="values")
+            losses = run(critic, mbs, loss_fn, **(head or {"head": "values"}))
             total = torch.zeros(2, dtype=torch.float64, device=device)
             for item in losses:
                 total += item["loss"].to(total)
@@ -203,6 +203,19 @@ def main():
         seq_loss, seq_grad = step(seq_mbs)
         errors["critic_loss_rel"] = abs(tree_loss - seq_loss) / abs(seq_loss)
         errors["critic_grad_rel"] = float((tree_grad - seq_grad).abs().max() / seq_grad.abs().max().clamp(min=1e-30))
+        # An actor step with an entropy bonus (loss_fn gets (logprobs, entropy)): fixed random weights per token.
+        weights = [per_seq(7, shares[dp_rank][i], x.numel()).to(x) for i, x in enumerate(lp)]
+
+        def actor_loss(outputs, mb):
+            logprobs, entropy = outputs
+            if not mb.sequence_ids:
+                return logprobs.sum() + entropy.sum(), 0
+            return (torch.cat([weights[i] for i in mb.sequence_ids]) * logprobs).sum() - 0.1 * entropy.sum(), logprobs.numel()
+
+        (_, tree_actor_grad), (_, seq_actor_grad) = (
+            step(mbs, policy, loss_fn=actor_loss, with_entropy=True) for mbs in (tree_mbs, seq_mbs)
+        )
+        errors["actor_entropy_grad_rel"] = float((tree_actor_grad - seq_actor_grad).abs().max() / seq_actor_grad.abs().max())
         clipped = sum(int(((v - o).abs() > 0.2).sum()) for v, o in zip(values, old))
         print(f"RLPASSES rank={rank} " + " ".join(f"{k}={v:.3e}" for k, v in errors.items())
               + f" tree_tokens={sum(m.num_tokens for m in tree_mbs)} seqs={len(local)} clipped={clipped} refused={refused}"
