@@ -328,7 +328,7 @@ def _run_schedule(
     chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, thd: bool, head: str, with_entropy: bool,
     collect: bool = False,
 ) -> list:
-    """Validate, pad and run the schedule. ``collect``: forward only, and the schedule returns each
+    """Validate, pad and run the schedule. ``collect`` (with ``forward_only``): the schedule returns each
     micro-batch's detached head outputs (megatron-core's ``collect_non_loss_data``), not loss dicts."""
     if head not in HEADS:
         raise ValueError(f"head must be one of {HEADS}; got {head!r}")
@@ -341,7 +341,7 @@ def _run_schedule(
             "normalised by counts summed over all micro-batches, so tree and flat steps agree exactly "
             "(set it, e.g. bridge.set_extra_args(calculate_per_token_loss=True))"
         )
-    if not forward_only and not collect:
+    if not forward_only:
         _finalize_grads_for_training(chunks, config)
     if chunks[0] not in _ANNOUNCED:
         _ANNOUNCED.add(chunks[0])
@@ -398,6 +398,6 @@ def _run_schedule(
         num_microbatches=len(mbs),
         seq_length=length,
         micro_batch_size=1,
-        forward_only=forward_only or collect,
+        forward_only=forward_only,
         collect_non_loss_data=collect,
     )
