@@ -36,11 +36,11 @@ def _check_logprobs(logprobs: torch.Tensor, name: str = "logprobs") -> None:
         raise ValueError(f"{name} must be a 1-D float tensor [N]; got {got}.")
 
 
-def _check_tokens(name: str, value: torch.Tensor, like: torch.Tensor) -> None:
+def _check_tokens(name: str, value: torch.Tensor, like: torch.Tensor, like_name: str = "logprobs") -> None:
     """ValueError unless ``value`` is a tensor shaped like ``like`` [N] on its device."""
     if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.device != like.device:
         got = f"{type(value).__name__} shape {tuple(getattr(value, 'shape', ()))} on {getattr(value, 'device', '-')}"
-        raise ValueError(f"{name} must be a tensor [N={like.numel()}] on {like.device} like logprobs; got {got}.")
+        raise ValueError(f"{name} must be a tensor [N={like.numel()}] on {like.device} like {like_name}; got {got}.")
 
 
 def _reduce(
@@ -197,8 +197,8 @@ def value_loss(
     if clip_eps is not None and (isinstance(clip_eps, bool) or not isinstance(clip_eps, (int, float)) or not clip_eps > 0):
         raise ValueError(f"clip_eps must be a float > 0 or None (no clipping); got {clip_eps!r}.")
     _check_logprobs(values, "values")
-    _check_tokens("old_values", old_values, values)
-    _check_tokens("returns", returns, values)
+    _check_tokens("old_values", old_values, values, "values")
+    _check_tokens("returns", returns, values, "values")
 
     target = returns.detach().to(values.dtype)
     unclipped = (values - target).square()
