@@ -5,7 +5,7 @@ and get exact per-sequence log-probabilities and gradients.
 
 The data model, packing and log-prob gather import no Megatron. The Megatron adapters
 (``build_tree_model``, ``patch_bridge_for_tree_training``, ``tree_layer_spec``, ``enable_tree_rope``,
-``tree_forward_backward``, ``tree_forward_only``, ``check_tree_model``, ``verify_tree_model``) import megatron-core when
+``tree_forward_backward``, ``flat_forward_backward``, ``tree_forward_only``, ``check_tree_model``, ``verify_tree_model``) import megatron-core when
 first used.
 """
 
@@ -26,6 +26,7 @@ _MEGATRON_ADAPTERS = {
     "tree_layer_spec": "megatron_tree.layer_spec",
     "enable_tree_rope": "megatron_tree.rope",
     "tree_forward_backward": "megatron_tree.schedule",
+    "flat_forward_backward": "megatron_tree.schedule",
     "tree_forward_only": "megatron_tree.forward_only",
     "check_tree_model": "megatron_tree.model_check",
     "verify_tree_model": "megatron_tree.verify",
