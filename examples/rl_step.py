@@ -163,6 +163,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--max-tokens-per-mb", type=int, default=64)
     args = ap.parse_args(argv)
+    if args.bf16 and not torch.cuda.is_available():
+        ap.error("--bf16 needs a CUDA GPU (megatron-core's bf16 optimizer takes CUDA tensors only); drop --bf16 on CPU")
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("megatron_tree").setLevel(logging.INFO)  # the params dtype, the gradient finalisation
     records = []

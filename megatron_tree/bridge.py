@@ -99,7 +99,12 @@ def build_tree_model(
     """
     from megatron_tree.patches import apply_compat_patches
 
-    path = os.fspath(hf_path)
+    path = os.path.expanduser(os.fspath(hf_path))
+    if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"no Hugging Face checkpoint directory at {path!r} (a local path that does not exist); pass the directory "
+            f"holding config.json (and the weights), or a Hub repo id"
+        )
     with apply_compat_patches(), patch_bridge_for_tree_training(enable=tree, backend=backend):
         from mbridge import AutoBridge
 

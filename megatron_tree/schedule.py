@@ -211,6 +211,24 @@ def tree_loss_func(
     return loss_func
 
 
+def _check_token_ids(chunk: torch.nn.Module, mbs: Sequence[TreeMicroBatch]) -> None:
+    """Raise unless every token id is below the model's vocabulary (the embedding would index out of
+    range: an IndexError on CPU, a device-side assert on GPUs)."""
+    module = chunk
+    while hasattr(module, "module"):  # DDP, Float16Module
+        module = module.module
+    vocab = getattr(module, "vocab_size", None)
+    if vocab is None:
+        return
+    top = max(int(mb.input_ids.max()) for mb in mbs)
+    if top >= vocab:
+        bad = next(i for i, mb in enumerate(mbs) if int(mb.input_ids.max()) == top)
+        raise ValueError(
+            f"micro-batch {bad} holds token id {top}, but the model's vocabulary has {vocab} tokens (ids 0..{vocab - 1}); "
+            f"tokenize with the model's own tokenizer"
+        )
+
+
 def _finalize_grads_for_training(chunks: list[torch.nn.Module], config) -> None:
     """Make ``config.finalize_model_grads_func`` divide the gradients by the global count and
     reduce them over data-parallel ranks.
@@ -362,7 +380,18 @@ def _run_schedule(
             )
     if not len(mbs):
         raise ValueError("got no micro-batches; pack_trees returns at least one")
+    _check_token_ids(chunks[0], mbs)
     device = next(chunks[0].parameters()).device
+    if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1:
+        # Expert-parallel ranks exchange tokens in every micro-batch: unequal counts would deadlock.
+        counts = torch.tensor([len(mbs), -len(mbs)], device=device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        if int(counts[0]) != -int(counts[1]):
+            raise ValueError(
+                f"ranks hold between {-int(counts[1])} and {int(counts[0])} micro-batches (this one {len(mbs)}), but "
+                f"expert-parallel ranks exchange tokens in every micro-batch and need the same count; pack with "
+                f"pack_trees(..., dp_group=parallel_state.get_data_parallel_group()) on every data-parallel rank"
+            )
     length = max(mb.num_slots for mb in mbs)
     # One length everywhere only where the schedule needs it: pipeline stages exchange
     # [length, 1, h] activations, and MoE's all-gather dispatcher gathers equal token counts

@@ -31,11 +31,26 @@ def expect(fn, pattern: str) -> None:
     raise AssertionError(f"no ValueError mentioning {pattern!r}")
 
 
+def moe_errors(args, tree_forward_backward) -> None:
+    """Expert-parallel ranks with different micro-batch counts (pack_trees without dp_group) are refused
+    instead of deadlocking in the token exchange."""
+    import torch.distributed as dist
+
+    init_cpu_distributed(ep=args.ep)
+    path = save_tiny_hf_checkpoint("qwen3_moe", args.ckpt, num_hidden_layers=2)
+    _, model = build_tree_model(path, wrap_with_ddp=True)
+    rng = np.random.default_rng(dist.get_rank())
+    seqs = [rng.integers(0, 100, 20) for _ in range(1 + 5 * dist.get_rank())]
+    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=24))  # no dp_group: 1 vs 6 micro-batches
+    expect(lambda: tree_forward_backward(model, mbs, lambda lp, mb: (-lp.sum(), lp.numel())), "need the same count")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int)
+    ap.add_argument("--ep", type=int, default=1, help="EP > 1: only the MoE checks (unequal micro-batch counts)")
     args = ap.parse_args()
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
@@ -43,6 +58,9 @@ def main():
     from megatron_tree.schedule import tree_forward_backward
 
     with apply_compat_patches(), cpu_mode():
+        if args.ep > 1:
+            moe_errors(args, tree_forward_backward)
+            sys.exit(0)
         init_cpu_distributed(pp=args.pp, vpp=args.vpp)
         path = save_tiny_hf_checkpoint("qwen3", args.ckpt, num_hidden_layers=4)
         _, model = build_tree_model(path)
@@ -60,6 +78,8 @@ def main():
         # Not wrapped in DDP and no finalize_model_grads_func: gradients would never be divided.
         expect(lambda: tree_forward_backward(model, mbs, good_loss), "finalize_model_grads_func is unset")
         config.finalize_model_grads_func = lambda *args, **kwargs: None  # the user's own: kept as it is
+        too_big = pack_trees([np.array([1, 2, 3]), np.array([1, 2, 500])], MicroBatchSpec(max_tokens_per_mb=48, n_mbs=2))
+        expect(lambda: tree_forward_backward(model, too_big, good_loss), "vocabulary has 160 tokens")
         if ps.get_data_parallel_world_size() > 1:
             # Wrapped in DDP before calculate_per_token_loss was set: its buffers pre-divide by DP.
             _, ddp_model = build_tree_model(path, wrap_with_ddp=True, extra_args=dict(calculate_per_token_loss=False))
