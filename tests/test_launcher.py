@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,26 @@ def test_malformed_yaml_is_one_line(tmp_path):
         RunConfig.from_yaml(str(bad))
 
 
+def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
+    """PyYAML (YAML 1.1) reads `3e-3` and `1e1` as strings; number fields take them, int fields only integral ones."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("train:\n  lr: 3e-3\n  steps: 1e1\n  kl_coef: '0'\ndata:\n  fork_prob: 5e-1\n")
+    c = RunConfig.from_yaml(str(cfg))
+    assert (c.train.lr, c.train.steps, c.train.kl_coef, c.data.fork_prob) == (0.003, 10, 0.0, 0.5)
+    assert type(c.train.steps) is int and type(c.train.lr) is float
+    for text, message in (("train: {steps: 2.5e0}", "train.steps must be an int, got '2.5e0'"),
+                          ("train: {lr: nan}", "train.lr must be a number, got 'nan'")):
+        cfg.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RunConfig.from_yaml(str(cfg))
+
+
+def test_malformed_command_line_is_argparse_usage_and_status_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--stepz", "3"])
+    assert e.value.code == 2 and "unrecognized arguments: --stepz" in capsys.readouterr().err
+
+
 def test_help_shows_every_flag_with_its_key_and_default():
     text = " ".join(build_parser().format_help().split())
     for flag, (key, _) in FLAGS.items():
@@ -137,6 +158,37 @@ def test_mistakes_end_in_one_line_and_a_nonzero_exit(capsys, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("megatron-tree-train: error: ") and message in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize(
+    "flag, target, message",
+    [
+        ("--log-jsonl", "afile/x.jsonl", "logging.jsonl (--log-jsonl) '{tmp}/afile/x.jsonl': cannot create its "
+                                         "directory '{tmp}/afile' ('{tmp}/afile' is a file)"),
+        ("--log-jsonl", "adir", "logging.jsonl (--log-jsonl) '{tmp}/adir' is a directory; pass a file path"),
+        ("--tensorboard-dir", "afile", "logging.tensorboard_dir (--tensorboard-dir) '{tmp}/afile': cannot create "
+                                       "the directory ('{tmp}/afile' is a file)"),
+        ("--tensorboard-dir", "afile/tb", "logging.tensorboard_dir (--tensorboard-dir) '{tmp}/afile/tb': cannot "
+                                          "create the directory ('{tmp}/afile' is a file)"),
+    ],
+)
+def test_unwritable_log_paths_name_their_option(tmp_path, capsys, flag, target, message):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    assert main([flag, str(tmp_path / target)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "megatron-tree-train: error: " + message.format(tmp=tmp_path), err
+
+
+def test_save_into_a_directory_holding_a_run_needs_load(tmp_path, capsys):
+    """Without --load, a fresh run would later point the tracker back to a lower iteration while newer
+    iter_* folders stay: refused before anything is built."""
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    assert main(["--save", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"megatron-tree-train: error: --save {tmp_path} already holds checkpoints up to iteration 4: "
+                       f"pass --load {tmp_path} to resume, or choose an empty --save directory"), err
 
 
 def test_data_errors_name_the_row_and_nothing_is_left_behind(tmp_path, capsys, monkeypatch):
@@ -184,3 +236,16 @@ def test_wandb_offline_and_missing(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     assert main(["--steps", "1", "--wandb-project", "tree"]) == 1
     assert "--wandb-project needs the wandb package: pip install wandb" in capsys.readouterr().err
+
+
+def test_wandb_online_without_an_api_key_is_one_line(tmp_path, capsys, monkeypatch):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "WANDB_DIR", "WANDB_CONFIG_DIR", "NETRC"):
+        monkeypatch.setenv(name, str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert main(["--steps", "1", "--wandb-project", "test"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megatron-tree-train: error: --wandb-project test: wandb cannot start a run (No API "
+                              "key configured") and "pass --wandb-mode offline" in err[-1] and "wandb login" in err[-1]
+    assert not any("Traceback" in line for line in err), err

@@ -79,3 +79,21 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, capsys):
                  "--steps", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "iter_0000001: the checkpoint does not fit this model (Global shape mismatch" in err, err
+
+
+def test_resuming_with_the_other_kind_of_data_is_refused_in_one_line(tmp_path, rollouts, capsys):
+    """A checkpoint's data position belongs to its source: a file's (epoch, row, offset) means nothing to the
+    synthetic source and the other way round; both directions are refused, naming both sources."""
+    first, resume = ["--config", CONFIG, "--steps", "1"], ["--config", CONFIG, "--steps", "2"]
+    assert main([*first, "--save", str(tmp_path / "synthetic")]) == 0
+    assert main([*resume, "--load", str(tmp_path / "synthetic"), "--data-path", rollouts]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"megatron-tree-train: error: --load {tmp_path}/synthetic/iter_0000001: the checkpoint was saved "
+                   f"training on synthetic rollouts (no data.path), but this run trains on rollouts from data.path "
+                   f"{rollouts!r}; drop --data-path (data.path) to resume it, or start a new run without --load"), err
+    assert main([*first, "--data-path", rollouts, "--save", str(tmp_path / "file")]) == 0
+    assert main([*resume, "--load", str(tmp_path / "file")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"megatron-tree-train: error: --load {tmp_path}/file/iter_0000001: the checkpoint was saved "
+                   f"training on rollouts from data.path {rollouts!r}, but this run trains on synthetic rollouts "
+                   f"(no data.path); pass --data-path {rollouts} to resume it, or start a new run without --load"), err

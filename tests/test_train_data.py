@@ -144,7 +144,8 @@ def test_rows_are_read_as_a_stream(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
     src = source(path, batch_size=2)
     assert len(src.next_batch().sequences) == 2
-    assert src.state() == {"epoch": 0, "row": 2, "offset": len(("".join(json.dumps(r) + "\n" for r in rows[:2])))}
+    assert src.state() == {"epoch": 0, "row": 2, "offset": len(("".join(json.dumps(r) + "\n" for r in rows[:2]))),
+                           "path": str(path)}
 
 
 def test_synthetic_source_is_seeded_per_step():

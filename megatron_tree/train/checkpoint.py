@@ -90,6 +90,26 @@ def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: 
     return path
 
 
+def saved_iteration(root: str) -> str | None:
+    """The iteration ``root``'s tracker file names (as written), or None when ``root`` holds no run."""
+    try:
+        with open(os.path.join(root, TRACKER_FILE)) as f:
+            return f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def check_save_dir(save: str | None, load: str | None) -> None:
+    """ValueError when ``save`` already holds a run and nothing is resumed: a fresh run would
+    later point the tracker at a lower iteration than the ``iter_*`` folders left there."""
+    if save is None or load is not None:
+        return
+    latest = saved_iteration(save)
+    if latest is not None:
+        raise ValueError(f"--save {save} already holds checkpoints up to iteration {latest}: pass --load {save} to "
+                         f"resume, or choose an empty --save directory")
+
+
 def resolve_checkpoint(path: str) -> str:
     """The dist checkpoint directory ``path`` names: itself, or ``path``'s latest ``iter_*``."""
     from megatron.core import dist_checkpointing

@@ -47,7 +47,8 @@ def _field(default: Any, help: str) -> Any:
 class _Section:
     """Base of the config sections: checks every field against its annotation (``int``,
     ``float``, ``bool``, ``str``, ``tuple[int, int]``, ``dict``, ``X | None``), converts YAML
-    lists to tuples and ints to floats where declared, then runs :meth:`_check`."""
+    lists to tuples, ints to floats and numbers PyYAML left as strings (``3e-3``) where declared,
+    then runs :meth:`_check`."""
 
     SECTION = ""
 
@@ -75,6 +76,25 @@ def _describe(hint: Any) -> str:
             dict: "a mapping"}.get(typing.get_origin(hint) or hint, str(hint))
 
 
+def _number(text: str, hint: type) -> Any:
+    """``text`` as a number of ``hint`` if it spells one, else ``text`` unchanged. PyYAML (YAML 1.1)
+    reads ``3e-3`` and ``1e3`` as strings (its floats need a dot); a float field takes any finite
+    number, an int field only an integral one (``1e3``, not ``2.5``)."""
+    try:
+        return int(text) if hint is int else float(int(text))
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    if number != number or number in (float("inf"), float("-inf")):
+        return text
+    if hint is int:
+        return int(number) if number.is_integer() else text
+    return number
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """``value`` converted to ``hint`` (list -> tuple, int -> float), or ``ValueError`` naming ``where``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -96,6 +116,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise ValueError(f"{where} must be a mapping of names to values, got {value!r}")
         return dict(value)
+    if hint in (int, float) and isinstance(value, str):
+        value = _number(value, hint)
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),

@@ -17,7 +17,8 @@ Per-token fields are aligned with ``input_ids``: entry i is about token i, entry
 (``advantages``, ``input_id``) is refused as a likely typo. A step takes ``batch_size``
 groups; at the end of the file the last step of the epoch takes what is left and the next
 starts again from the top. Files are read row by row (Parquet by record batch), so a file
-larger than memory works; the position (epoch, row, byte offset) is saved in checkpoints.
+larger than memory works; the position (epoch, row, byte offset, path) is saved in checkpoints,
+and resuming it with the other kind of source (synthetic vs a file) is refused.
 
 Every rank reads the same batch (the launcher then splits it over data-parallel ranks).
 Errors name the file, the line (JSONL) or row (Parquet, 1-based) and the field.
@@ -143,6 +144,27 @@ def make_batch(rollouts: list[Rollout], *, need_advantages: bool) -> RolloutBatc
     )
 
 
+def _source_kind(state: dict[str, Any]) -> str:
+    """What a saved position was read from, in words (by its keys: ``step`` synthetic, ``epoch`` a file)."""
+    if "epoch" in state:
+        return f"rollouts from data.path {state['path']!r}" if "path" in state else "rollouts from a file (data.path)"
+    if "step" in state:
+        return "synthetic rollouts (no data.path)"
+    return f"an unknown data source (position {state!r})"
+
+
+def _check_position(state: dict[str, Any], key: str, current: str) -> None:
+    """ValueError unless ``state`` (a checkpoint's data position) has ``key``: it was saved by the
+    other kind of source, and its position means nothing to this one."""
+    if key not in state:
+        if "epoch" in state:
+            fix = f"pass --data-path {state['path']}" if "path" in state else "pass the --data-path it was saved with"
+        else:
+            fix = "drop --data-path (data.path)"
+        raise ValueError(f"the checkpoint was saved training on {_source_kind(state)}, but this run trains on "
+                         f"{current}; {fix} to resume it, or start a new run without --load")
+
+
 # --------------------------------------------------------------------------- synthetic
 
 
@@ -177,6 +199,7 @@ class SyntheticSource:
         return {"step": self.step}
 
     def restore(self, state: dict[str, Any]) -> None:
+        _check_position(state, "step", "synthetic rollouts (no data.path)")
         self.step = int(state["step"])
 
 
@@ -249,7 +272,7 @@ def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: in
 class FileSource:
     """Rollouts from a ``.jsonl`` or ``.parquet`` file, ``batch_size`` groups per step, streamed.
 
-    Position: ``{"epoch", "row", "offset"}`` of the first row not yet used (``offset``: its byte
+    Position: ``{"epoch", "row", "offset", "path"}`` of the first row not yet used (``offset``: its byte
     offset in a JSONL file). Rows of one group must be consecutive.
     """
 
@@ -265,9 +288,10 @@ class FileSource:
             self._parquet_file()  # fail now on a missing pyarrow or a bad schema
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "row": self.row, "offset": self.offset}
+        return {"epoch": self.epoch, "row": self.row, "offset": self.offset, "path": self.path}
 
     def restore(self, state: dict[str, Any]) -> None:
+        _check_position(state, "epoch", f"rollouts from data.path {self.path!r}")
         self.epoch, self.row, self.offset = int(state["epoch"]), int(state["row"]), int(state["offset"])
         self._rows, self._pending = None, None
 

@@ -70,8 +70,11 @@ class JsonlSink:
     """One JSON object per step, flushed at once; appended to on resume, else overwritten."""
 
     def __init__(self, path: str, *, append: bool):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.file = open(path, "a" if append else "w")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a" if append else "w")
+        except OSError as e:
+            raise ValueError(f"logging.jsonl (--log-jsonl) {path!r}: cannot write the file ({e.strerror})") from None
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -89,7 +92,11 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
-        self.writer = SummaryWriter(log_dir=log_dir)
+        try:
+            self.writer = SummaryWriter(log_dir=log_dir)
+        except OSError as e:
+            raise ValueError(f"logging.tensorboard_dir (--tensorboard-dir) {log_dir!r}: cannot write there "
+                             f"({e.strerror})") from None
 
     def write(self, record: dict[str, Any]) -> None:
         for name, value in scalars(record).items():
@@ -108,7 +115,12 @@ class WandbSink:
             import wandb
         except ImportError:
             raise ValueError("--wandb-project needs the wandb package: pip install wandb") from None
-        self.run = wandb.init(project=project, name=name, mode=mode, config=config)
+        try:
+            self.run = wandb.init(project=project, name=name, mode=mode, config=config)
+        except wandb.errors.UsageError as e:  # no API key configured (online mode), ...
+            reason = " ".join(str(e).split()).rstrip(".")
+            raise ValueError(f"--wandb-project {project}: wandb cannot start a run ({reason}); pass --wandb-mode "
+                             f"offline (no network; `wandb sync` later) or run `wandb login` first") from None
 
     def write(self, record: dict[str, Any]) -> None:
         self.run.log({f"train/{k}": v for k, v in scalars(record).items()}, step=record["step"])

@@ -211,6 +211,17 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
     )
 
 
+def _why_not_dir(directory: str, error: OSError) -> str:
+    """Why ``os.makedirs(directory)`` failed: the file in the way, if that is it, else the OS's reason."""
+    if isinstance(error, (FileExistsError, NotADirectoryError)):
+        blocker = os.path.abspath(directory)
+        while blocker != os.path.dirname(blocker) and not os.path.exists(blocker):
+            blocker = os.path.dirname(blocker)
+        if os.path.exists(blocker) and not os.path.isdir(blocker):
+            return f"{blocker!r} is a file"
+    return error.strerror or str(error)
+
+
 class Trainer:
     """One training run of ``cfg``: everything is set up in ``__init__`` (on every rank),
     :meth:`train` runs the remaining steps, :meth:`close` releases what was opened."""
@@ -292,7 +303,10 @@ class Trainer:
         if cfg.checkpoint.load:
             self.iteration, position, rng_restored = checkpoint.load_checkpoint(
                 cfg.checkpoint.load, self.model, self.optimizer)
-            self.source.restore(position)
+            try:
+                self.source.restore(position)
+            except ValueError as e:
+                raise ValueError(f"--load {checkpoint.resolve_checkpoint(cfg.checkpoint.load)}: {e}") from None
             self._info(f"resumed from {checkpoint.resolve_checkpoint(cfg.checkpoint.load)} at iteration "
                        f"{self.iteration}" + ("" if rng_restored else " (RNG state not restored: other world size)"))
         if self.rank == 0:
@@ -317,15 +331,25 @@ class Trainer:
         return save_tiny_hf_checkpoint(m.arch, self._tmp_dir, seed=self.cfg.train.seed, **m.hf_overrides), True
 
     def _make_output_dirs(self) -> None:
-        """Create the checkpoint and export directories now (rank 0), so a bad path fails before training."""
-        ckpt = self.cfg.checkpoint
-        for key in ("save", "export_hf"):
-            path = getattr(ckpt, key)
-            if path and self.rank == 0:
+        """Create the checkpoint, export and log directories now (rank 0), so a bad path fails before
+        training, naming its key; refuse a ``--save`` directory that holds an earlier run unless it is resumed."""
+        ckpt, log = self.cfg.checkpoint, self.cfg.logging
+        checkpoint.check_save_dir(ckpt.save, ckpt.load)
+        if self.rank != 0:
+            return
+        dirs = [(f"checkpoint.{key}", getattr(ckpt, key), getattr(ckpt, key)) for key in ("save", "export_hf")]
+        if log.jsonl:
+            if os.path.isdir(log.jsonl):
+                raise ValueError(f"logging.jsonl (--log-jsonl) {log.jsonl!r} is a directory; pass a file path")
+            dirs.append(("logging.jsonl (--log-jsonl)", log.jsonl, os.path.dirname(os.path.abspath(log.jsonl))))
+        dirs.append(("logging.tensorboard_dir (--tensorboard-dir)", log.tensorboard_dir, log.tensorboard_dir))
+        for name, path, directory in dirs:
+            if path:
                 try:
-                    os.makedirs(path, exist_ok=True)
+                    os.makedirs(directory, exist_ok=True)
                 except OSError as e:
-                    raise ValueError(f"checkpoint.{key} {path!r}: cannot create the directory ({e.strerror})") from None
+                    what = "the directory" if directory == path else f"its directory {directory!r}"
+                    raise ValueError(f"{name} {path!r}: cannot create {what} ({_why_not_dir(directory, e)})") from None
 
     def _open_sinks(self, config_source: str) -> None:
         log, resumed = self.cfg.logging, self.iteration > 0
