@@ -79,7 +79,7 @@ def tree_data_iterators(
     (a plain iterator when there is one chunk). ``pad_to`` pads every micro-batch to that
     many slots (fixed-length schedules); otherwise each is padded to a multiple of
     ``pad_multiple`` slots (sequence parallel splits the slots over TP ranks)."""
-    moved = [mb.padded_to(pad_to or -(-mb.num_slots // pad_multiple) * pad_multiple).to(device) for mb in mbs]
+    moved = [mb.padded_to(_padded_length(mb, pad_to, pad_multiple)).to(device) for mb in mbs]
     its = [iter(moved) for _ in range(num_model_chunks)]
     return its[0] if num_model_chunks == 1 else its
 
@@ -132,10 +132,9 @@ def thd_schedule_inputs(
     pads, the model called with ``packed_seq_params`` and no mask or positions."""
     items = []
     for mb in mbs:
-        mb = mb.padded_to(pad_to or -(-mb.num_slots // pad_multiple) * pad_multiple)
+        mb = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
         params = thd_packed_seq_params(mb)
-        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-            setattr(params, name, getattr(params, name).to(device))
+        params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device)  # one tensor, both roles
         items.append((mb.to(device), params))
 
     def forward_step(data_iterator, model):
@@ -211,6 +210,19 @@ def tree_loss_func(
     return loss_func
 
 
+def _all_reduce_max(values: list[int], device: torch.device) -> list[int]:
+    """Element-wise MAX of ``values`` over all ranks (one all-reduce, one host sync)."""
+    t = torch.tensor(values, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _padded_length(mb: TreeMicroBatch, pad_to: int | None, pad_multiple: int) -> int:
+    """Slots ``mb`` is padded to: ``pad_to`` (fixed-length schedules), else its own length rounded
+    up to a multiple of ``pad_multiple`` (sequence parallel splits the slots over TP ranks)."""
+    return pad_to or -(-mb.num_slots // pad_multiple) * pad_multiple
+
+
 def _check_token_ids(chunk: torch.nn.Module, mbs: Sequence[TreeMicroBatch]) -> None:
     """Raise unless every token id is below the model's vocabulary (the embedding would index out of
     range: an IndexError on CPU, a device-side assert on GPUs)."""
@@ -220,9 +232,10 @@ def _check_token_ids(chunk: torch.nn.Module, mbs: Sequence[TreeMicroBatch]) -> N
     vocab = getattr(module, "vocab_size", None)
     if vocab is None:
         return
-    top = max(int(mb.input_ids.max()) for mb in mbs)
+    tops = [int(mb.input_ids.max()) for mb in mbs]
+    top = max(tops)
     if top >= vocab:
-        bad = next(i for i, mb in enumerate(mbs) if int(mb.input_ids.max()) == top)
+        bad = tops.index(top)
         raise ValueError(
             f"micro-batch {bad} holds token id {top}, but the model's vocabulary has {vocab} tokens (ids 0..{vocab - 1}); "
             f"tokenize with the model's own tokenizer"
@@ -382,27 +395,24 @@ def _run_schedule(
         raise ValueError("got no micro-batches; pack_trees returns at least one")
     _check_token_ids(chunks[0], mbs)
     device = next(chunks[0].parameters()).device
-    if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1:
-        # Expert-parallel ranks exchange tokens in every micro-batch: unequal counts would deadlock.
-        counts = torch.tensor([len(mbs), -len(mbs)], device=device)
-        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-        if int(counts[0]) != -int(counts[1]):
-            raise ValueError(
-                f"ranks hold between {-int(counts[1])} and {int(counts[0])} micro-batches (this one {len(mbs)}), but "
-                f"expert-parallel ranks exchange tokens in every micro-batch and need the same count; pack with "
-                f"pack_trees(..., dp_group=parallel_state.get_data_parallel_group()) on every data-parallel rank"
-            )
     length = max(mb.num_slots for mb in mbs)
+    expert_parallel = bool(config.num_moe_experts) and parallel_state.get_expert_model_parallel_world_size() > 1
     # One length everywhere only where the schedule needs it: pipeline stages exchange
     # [length, 1, h] activations, and MoE's all-gather dispatcher gathers equal token counts
     # across expert-parallel ranks. Otherwise every micro-batch keeps its own length.
-    fixed = not config.variable_seq_lengths and (
-        pp > 1 or (config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1)
-    )
-    if fixed:
-        t = torch.tensor([length], device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        length = int(t.item())
+    fixed = not config.variable_seq_lengths and (pp > 1 or expert_parallel)
+    if expert_parallel or fixed:
+        # One MAX all-reduce for both: the micro-batch counts (expert-parallel ranks exchange
+        # tokens in every micro-batch, so unequal counts would deadlock) and the slot length.
+        most, neg_least, longest = _all_reduce_max([len(mbs), -len(mbs), length], device)
+        if expert_parallel and most != -neg_least:
+            raise ValueError(
+                f"ranks hold between {-neg_least} and {most} micro-batches (this one {len(mbs)}), but "
+                f"expert-parallel ranks exchange tokens in every micro-batch and need the same count; pack with "
+                f"pack_trees(..., dp_group=parallel_state.get_data_parallel_group()) on every data-parallel rank"
+            )
+        if fixed:
+            length = longest
     # Sequence parallel splits every micro-batch's slots evenly over the TP ranks.
     multiple = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     length = -(-length // multiple) * multiple
