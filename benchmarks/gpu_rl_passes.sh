@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every model pass of an RL step on the GPU host, in one device call (logs under $OUT):
+#   1. tests/scripts/rl_passes_parity.py without Transformer Engine (local spec), fp32 + bf16;
+#   2. the same with TE (adds the TE THD flat path Megatron users run), fp32 + bf16;
+#   3. the launcher's whole PPO step (configs/ppo_qwen3_0.6b_shape.yaml), tree vs flat, with TE.
+#
+#   ../shared/gpu/fetch-wheels.sh && ../shared/gpu/fetch-te.sh && cp ../shared/gpu/te-setup.sh .te/   # here, once
+#   bash benchmarks/gpu_rl_passes.sh          # there, with .whl and .te carried
+#
+# fp32 runs turn TF32 off (NVIDIA_TF32_OVERRIDE=0). PPO_STEPS (default 4) sets the PPO run length.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+LOG="$OUT/rl_passes_gpu.txt"
+echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F)" | tee "$LOG"
+filter() { grep -E "RLPASSES|PATH|passed|failed|FAILED|Error|error:|Traceback" | grep -v -i warn; }
+parity() {  # parity LABEL: fp32 then bf16 (each path against the fp32 per-sequence results)
+  echo "== $1, fp32 (TF32 off) + bf16" | tee -a "$LOG"
+  NVIDIA_TF32_OVERRIDE=0 timeout 300 torchrun --nproc-per-node 1 tests/scripts/rl_passes_parity.py \
+    --ckpt "/tmp/ck_rl_$2" --bf16 2>&1 | filter | tee -a "$LOG"
+}
+python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+python3 -c "import megatron.core as m; print('megatron-core', m.__version__, '(no Transformer Engine)')" 2>/dev/null | tee -a "$LOG"
+parity "no TE (local spec, flex attention)" local
+bash .te/te-setup.sh 2>&1 | grep -v -i warn | tail -1 | tee -a "$LOG"
+parity "TE (TE spec, cuDNN THD flat path)" te
+for mode in tree-training no-tree-training; do
+  echo "== PPO whole step, Qwen3-0.6B shape, bf16, TE: --$mode" | tee -a "$LOG"
+  timeout 420 python3 -m megatron_tree.train --config configs/ppo_qwen3_0.6b_shape.yaml --steps "${PPO_STEPS:-4}" \
+    --"$mode" --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
+done
+python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import json, statistics, sys
+out = sys.argv[1]
+def med(name):
+    rows = [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"step_s"' in l]
+    return statistics.median(r["step_s"] for r in rows[1:]), rows[-1]
+(tree, last_t), (flat, last_f) = med("tree"), med("no")
+print(f"PPO step median after the first: tree {tree:.2f} s, flat {flat:.2f} s, flat/tree {flat / tree:.2f}"
+      f" (tree_token_ratio {last_t.get('tree_token_ratio', float('nan')):.3f})")
+PY
