@@ -20,6 +20,11 @@ default) sends a micro-batch without a branch (a forest of chains) in bf16/fp16 
 Engine's cuDNN varlen attention when TE is installed (:mod:`megatron_tree.chain_attention`), picks
 ``"flex"`` where it runs (CUDA, b = 1, head dim >= 16, no attention dropout) and ``"dense"``
 elsewhere.
+
+Context parallel (CP > 1, :mod:`megatron_tree.context_parallel`): each rank holds s of the
+micro-batch's T slots and ``attention_mask`` is ``cat(slot_order, subtree_end)`` int ``[1, 2T]``.
+Key and value are all-gathered over the CP group and put back into DFS order; the rank's s
+queries (global slots ``slot_order[rank * s:(rank + 1) * s]``) attend to all T keys.
 """
 
 from __future__ import annotations
@@ -51,12 +56,14 @@ __all__ = [
 class TreeAttentionBackend:
     """A way to run tree attention.
 
-    prepare(subtree_end) -> Any
-        ``subtree_end`` int ``[b, s]`` (already validated). Returns what ``attend`` needs; it is
-        computed once per micro-batch and cached, so build the expensive parts here.
+    prepare(subtree_end, query_slots=None) -> Any
+        ``subtree_end`` int ``[b, s]`` (already validated); ``query_slots`` int ``[sq]`` or None:
+        the slot of each query row (context parallel), None = all s slots in order. Returns what
+        ``attend`` needs; it is computed once per micro-batch and cached, so build the expensive
+        parts here.
     attend(query, key, value, prepared, *, scale, dropout_p) -> Tensor
-        ``query [b, np, s, hn]``, ``key``/``value [b, ng, s, hn]`` (GQA: np % ng == 0, query head h
-        reads key/value head ``h // (np // ng)``). Returns ``[b, np, s, hn]``; ``scale`` multiplies
+        ``query [b, np, sq, hn]``, ``key``/``value [b, ng, s, hn]`` (GQA: np % ng == 0, query head h
+        reads key/value head ``h // (np // ng)``). Returns ``[b, np, sq, hn]``; ``scale`` multiplies
         ``q @ k^T``; ``dropout_p`` is the attention-probability dropout (0 in eval).
     """
 
@@ -96,9 +103,9 @@ def _dense_attend(query, key, value, allowed, *, scale, dropout_p):
     )
 
 
-def _dense_prepare(subtree_end: torch.Tensor) -> torch.Tensor:
-    # [b, 1, s, s] bool, True = attend; the head dim broadcasts.
-    return torch.stack([dense_tree_mask(row) for row in subtree_end]).unsqueeze(1)
+def _dense_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
+    # [b, 1, sq, s] bool, True = attend; the head dim broadcasts.
+    return torch.stack([dense_tree_mask(row, query_slots) for row in subtree_end]).unsqueeze(1)
 
 
 register_tree_attention_backend(
@@ -106,16 +113,16 @@ register_tree_attention_backend(
 )
 
 
-def _flex_prepare(subtree_end: torch.Tensor) -> torch.Tensor:
+def _flex_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> tuple:
     from megatron_tree.flex_attention import tree_block_mask
 
     if subtree_end.shape[0] != 1:
         raise ValueError(f"the flex tree attention backend takes one micro-batch (b = 1), got b = {subtree_end.shape[0]}")
-    tree_block_mask(subtree_end)  # built once here; flex_tree_attention finds it in its cache
-    return subtree_end
+    tree_block_mask(subtree_end, query_slots=query_slots)  # built once here; flex_tree_attention finds it cached
+    return subtree_end, query_slots
 
 
-def _flex_attend(query, key, value, subtree_end, *, scale, dropout_p):
+def _flex_attend(query, key, value, prepared, *, scale, dropout_p):
     from megatron_tree.flex_attention import flex_tree_attention
 
     if dropout_p:
@@ -123,7 +130,8 @@ def _flex_attend(query, key, value, subtree_end, *, scale, dropout_p):
             f"the flex tree attention backend has no attention dropout (got {dropout_p}); set "
             f"attention_dropout=0 or use backend='dense'"
         )
-    return flex_tree_attention(query, key, value, subtree_end, softmax_scale=scale)
+    subtree_end, query_slots = prepared
+    return flex_tree_attention(query, key, value, subtree_end, softmax_scale=scale, query_slots=query_slots)
 
 
 register_tree_attention_backend(
@@ -141,19 +149,21 @@ def _chains_eligible(subtree_end: torch.Tensor) -> bool:
     return subtree_end.is_cuda and subtree_end.shape[0] == 1 and have_transformer_engine()
 
 
-def _auto_prepare(subtree_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-    """``(subtree_end, dense mask or None, chains or None)``. ``chains`` = ``(cu_seqlens,
-    max_seqlen)`` when the micro-batch has no branch and TE's fused attention is available; the
-    flex block mask (cached by the flex module) where FlexAttention runs; the dense mask elsewhere."""
-    if _chains_eligible(subtree_end):
+def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> list:
+    """``[(subtree_end, query_slots), dense mask or None, chains or None]`` (a list: ``attend`` adds
+    the dense mask when it needs one the prepare did not build). ``chains`` =
+    ``(cu_seqlens, max_seqlen)`` when the micro-batch has no branch, TE's fused attention is
+    available and every slot is a query; the flex block mask (cached by the flex module) where
+    FlexAttention runs; the dense mask elsewhere."""
+    if query_slots is None and _chains_eligible(subtree_end):
         from megatron_tree.chain_attention import chain_segments
 
         cu = chain_segments(subtree_end)
         if cu is not None:
-            return subtree_end, None, (cu, int((cu[1:] - cu[:-1]).max()))
+            return [(subtree_end, None), None, (cu, int((cu[1:] - cu[:-1]).max()))]
     if _flex_eligible(subtree_end):
-        return _flex_prepare(subtree_end), None, None
-    return subtree_end, _dense_prepare(subtree_end), None
+        return [_flex_prepare(subtree_end, query_slots), None, None]
+    return [(subtree_end, query_slots), _dense_prepare(subtree_end, query_slots), None]
 
 
 def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
@@ -161,15 +171,15 @@ def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
     # (the fastest dense kernel on Hopper). Otherwise block-sparse FlexAttention where it runs
     # (CUDA, b = 1, head dim >= 16, no attention dropout; measured fastest in
     # benchmarks/attention_bench.py), else the dense reference (FlexAttention has no CPU backward).
-    subtree_end, dense_mask, chains = prepared
+    masks, dense_mask, chains = prepared
     if chains is not None and not dropout_p and query.dtype in (torch.bfloat16, torch.float16):
         from megatron_tree.chain_attention import te_chain_attention
 
         return te_chain_attention(query, key, value, *chains, scale=scale)
     if dense_mask is None and query.shape[-1] >= 16 and not dropout_p:
-        return _flex_attend(query, key, value, subtree_end, scale=scale, dropout_p=dropout_p)
-    if dense_mask is None:  # CUDA with a head dim or dropout flex lacks: dense, cached per mask
-        dense_mask = PREPARED_MASKS.get(_BACKENDS["dense"], subtree_end)
+        return _flex_attend(query, key, value, masks, scale=scale, dropout_p=dropout_p)
+    if dense_mask is None:  # CUDA with a head dim or dropout flex lacks: dense, built once per mask
+        dense_mask = prepared[1] = _dense_prepare(*masks)
     return _dense_attend(query, key, value, dense_mask, scale=scale, dropout_p=dropout_p)
 
 
@@ -226,10 +236,15 @@ class _PreparedMaskCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
 
-    def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor) -> Any:
-        """``backend.prepare(subtree_end)``, computed on the first call for this mask."""
+    def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor, cp: tuple[int, int] | None = None) -> Any:
+        """``backend.prepare(subtree_end)``, computed on the first call for this mask.
+
+        ``cp = (rank, size)`` (context parallel): ``subtree_end`` is the CP mask ``[1, 2T]``
+        (module docstring); returns ``(prepared for the rank's queries, inverse [T] int64: the
+        rank-order position of each global slot)``."""
         key = (
             backend.name,
+            cp,
             str(subtree_end.device),
             subtree_end.data_ptr(),
             tuple(subtree_end.shape),
@@ -240,8 +255,11 @@ class _PreparedMaskCache:
         if hit is not None:
             self._entries.move_to_end(key)
             return hit[1]
-        check_subtree_end_values(subtree_end)
-        prepared = backend.prepare(subtree_end)
+        if cp is None:
+            check_subtree_end_values(subtree_end)
+            prepared = backend.prepare(subtree_end)
+        else:
+            prepared = _prepare_context_parallel(backend, subtree_end, *cp)
         self._entries[key] = (subtree_end, prepared)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -250,6 +268,23 @@ class _PreparedMaskCache:
     def clear(self) -> None:
         """Drop every cached entry (frees the prepared masks)."""
         self._entries.clear()
+
+
+def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor, rank: int, size: int) -> tuple:
+    """``(backend.prepare(subtree_end, this rank's query slots), inverse)`` from the CP mask ``[1, 2T]``
+    (validated: the slot order is a permutation of ``0..T-1``; one host sync)."""
+    t = mask.shape[1] // 2
+    order, subtree_end = mask[0, :t].long(), mask[:, t:]
+    check_subtree_end_values(subtree_end)
+    if not torch.equal(order.sort().values, torch.arange(t, device=order.device)):
+        raise ValueError(
+            "context-parallel attention_mask: its first T entries must be a permutation of the slots 0..T-1 "
+            "(ContextParallelShard.attention_mask from megatron_tree.context_parallel.shard_micro_batch)"
+        )
+    s = t // size
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(t, device=order.device)
+    return backend.prepare(subtree_end, order[rank * s : (rank + 1) * s]), inverse
 
 
 # Two entries: the micro-batch in flight plus one whose backward (and recompute) is pending.
@@ -267,11 +302,14 @@ def tree_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    cp_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Attention of a DFS-laid-out tree micro-batch, Megatron layout.
 
     query [s, b, np, hn], key/value [s, b, ng, hn], subtree_end int [b, s] -> [s, b, np * hn].
-    ``scale`` None means ``1 / sqrt(hn)``.
+    ``scale`` None means ``1 / sqrt(hn)``. With a ``cp_group`` of more than one rank (context
+    parallel, module docstring) the s slots are this rank's share of T = s * cp, b = 1, and
+    ``subtree_end`` is the CP mask int ``[1, 2T]``.
     """
     if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
         raise ValueError(
@@ -289,9 +327,24 @@ def tree_attention(
             f"tree attention is self-attention over one micro-batch: key/value must be "
             f"[{s}, {b}, ng, {hn}] with {n_q} % ng == 0, got {tuple(key.shape)}"
         )
-    check_subtree_end(subtree_end, b, s)
     impl = get_tree_attention_backend(backend)
-    prepared = PREPARED_MASKS.get(impl, subtree_end)
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    if cp > 1:
+        from megatron_tree.context_parallel import gather_slots
+
+        if isinstance(subtree_end, torch.Tensor) and (b != 1 or tuple(subtree_end.shape) != (1, 2 * s * cp)):
+            raise ValueError(
+                f"under context parallel ({cp} ranks) tree attention takes one micro-batch (b = 1, got {b}) and "
+                f"attention_mask = the shard's int [1, 2T] = [1, {2 * s * cp}] (ContextParallelShard.attention_mask), "
+                f"got shape {tuple(getattr(subtree_end, 'shape', ()))}"
+            )
+        check_subtree_end(subtree_end, 1, 2 * s * cp)
+        prepared, inverse = PREPARED_MASKS.get(impl, subtree_end, (torch.distributed.get_rank(cp_group), cp))
+        # All T keys / values in DFS order: gathered in CP-rank order, then permuted back.
+        key, value = (gather_slots(x, cp_group).index_select(0, inverse) for x in (key, value))
+    else:
+        check_subtree_end(subtree_end, b, s)
+        prepared = PREPARED_MASKS.get(impl, subtree_end)
     out = impl.attend(
         query.permute(1, 2, 0, 3),
         key.permute(1, 2, 0, 3),
@@ -306,11 +359,6 @@ def tree_attention(
 def check_tree_attention_config(config: TransformerConfig) -> None:
     """Raise if ``config`` asks for an attention feature tree attention does not implement."""
     problems = []
-    if config.context_parallel_size != 1:
-        problems.append(
-            f"context_parallel_size={config.context_parallel_size} (set it to 1: tree attention "
-            f"needs every slot of the micro-batch on one rank)"
-        )
     if config.window_size is not None:
         problems.append(f"window_size={config.window_size} (sliding-window attention)")
     if config.multi_latent_attention:
@@ -371,6 +419,14 @@ class TreeCoreAttention(MegatronModule):
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.positions_from_ids = False
+        # Context parallel: megatron-core hands its groups in pg_collection (else the global state).
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is None and config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            cp_group = parallel_state.get_context_parallel_group()
+        multi = cp_group is not None and torch.distributed.get_world_size(cp_group) > 1
+        self.cp_group = cp_group if multi else None
 
     def forward(
         self,
@@ -423,6 +479,7 @@ class TreeCoreAttention(MegatronModule):
             scale=self.softmax_scale,
             dropout_p=dropout_p,
             backend=self.backend,
+            cp_group=self.cp_group,
         )
 
 

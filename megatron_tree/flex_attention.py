@@ -87,7 +87,7 @@ def _check_subtree_end(subtree_end: torch.Tensor) -> torch.Tensor:
 
 
 def classify_blocks(
-    subtree_end: torch.Tensor, block_size: int | tuple[int, int] = 128
+    subtree_end: torch.Tensor, block_size: int | tuple[int, int] = 128, query_slots: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Classify the (query block, key block) tiles of the tree mask: ``(partial, full)``, each bool [nq, nk].
 
@@ -109,6 +109,12 @@ def classify_blocks(
     Neither proof uses the nesting of DFS intervals, only ``e[j] > j``, so the tables are
     exact for any mask of the form ``j <= i < e[j]``. Cost: O(T) for the per-block
     min/max and O(nq·nk) for the tables, all on ``subtree_end``'s device, no host sync.
+
+    ``query_slots`` int [Tq] (a multiple of bq; context parallel): query row r is slot
+    ``query_slots[r]`` (-1: a padding row that sees nothing). Then q0 / q1 are the least / largest
+    slot of the block's rows: "nonempty" stays a necessary condition (a block it flags may still
+    be empty: it is then partial and the ``mask_mod`` masks it) and "full" a sufficient one
+    (a block holding a padding row is never full).
     """
     end = _check_subtree_end(subtree_end)
     bq, bk = _block_sizes(block_size)
@@ -118,8 +124,14 @@ def classify_blocks(
     per_key_block = end.view(t // bk, bk)
     max_end = per_key_block.amax(dim=1)  # [nk]
     min_end = per_key_block.amin(dim=1)  # [nk]
-    q0 = torch.arange(0, t, bq, device=end.device)[:, None]  # [nq, 1]
-    q1 = q0 + (bq - 1)
+    if query_slots is None:
+        q0 = torch.arange(0, t, bq, device=end.device)[:, None]  # [nq, 1]
+        q1 = q0 + (bq - 1)
+    else:
+        if query_slots.numel() % bq:
+            raise ValueError(f"query_slots has {query_slots.numel()} rows, not a multiple of bq={bq}")
+        rows = query_slots.reshape(-1, bq).to(end.device, torch.int64)
+        q0, q1 = rows.amin(dim=1)[:, None], rows.amax(dim=1)[:, None]
     k0 = torch.arange(0, t, bk, device=end.device)[None, :]  # [1, nk]
     k1 = k0 + (bk - 1)
     nonempty = (k0 <= q1) & (max_end[None, :] > q0)
@@ -134,11 +146,20 @@ def _ordered_tables(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None], indices[None, None]
 
 
-def _interval_mask_mod(end: torch.Tensor):
-    """FlexAttention mask_mod of the interval encoding over ``end`` int [Tp] (True = attend)."""
+def _interval_mask_mod(end: torch.Tensor, query_slots: torch.Tensor | None = None):
+    """FlexAttention mask_mod of the interval encoding over ``end`` int [Tp] (True = attend); with
+    ``query_slots`` int [Tqp], query row q is slot ``query_slots[q]`` (-1 sees nothing)."""
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
+    if query_slots is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
+
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            slot = query_slots[q_idx]
+            return (kv_idx <= slot) & (slot < end[kv_idx])
 
     return mask_mod
 
@@ -163,7 +184,9 @@ def _cache_key(subtree_end: torch.Tensor, block_size: tuple[int, int]) -> tuple:
     )
 
 
-def tree_block_mask(subtree_end: torch.Tensor, block_size: int | tuple[int, int] = 128) -> BlockMask:
+def tree_block_mask(
+    subtree_end: torch.Tensor, block_size: int | tuple[int, int] = 128, query_slots: torch.Tensor | None = None
+) -> BlockMask:
     """The :class:`BlockMask` of the tree mask over ``Tp = padded_length(T, block_size)`` slots, cached.
 
     ``subtree_end``: int32/int64 [T] or [1, T] (the micro-batch's ``attention_mask``), on the
@@ -172,10 +195,15 @@ def tree_block_mask(subtree_end: torch.Tensor, block_size: int | tuple[int, int]
     with ``BlockMask.from_kv_blocks``; the last :data:`_CACHE_SIZE` masks are cached by the
     storage, view and version of ``subtree_end``, so calling this in every layer, and again
     in activation recompute, builds the mask once per micro-batch.
+
+    ``query_slots`` int [Tq] (context parallel): the queries are these slots (a rank's share), the
+    keys all T slots; the mask is ``[Tqp, Tp]`` with ``Tqp = padded_length(Tq, block_size)``.
     """
     end = _check_subtree_end(subtree_end)
     sizes = _block_sizes(block_size)
     key = _cache_key(subtree_end, sizes)
+    if query_slots is not None:
+        key += _cache_key(query_slots, sizes)
     cached = _block_mask_cache.get(key)
     if cached is not None:
         _block_mask_cache.move_to_end(key)
@@ -184,7 +212,12 @@ def tree_block_mask(subtree_end: torch.Tensor, block_size: int | tuple[int, int]
     tp = padded_length(t, sizes)
     pad = torch.arange(t + 1, tp + 1, device=end.device, dtype=end.dtype)
     end_padded = torch.cat([end, pad]).to(torch.int32)
-    partial, full = classify_blocks(end_padded, sizes)
+    slots, q_len = None, tp
+    if query_slots is not None:
+        tq = query_slots.numel()
+        q_len = padded_length(tq, sizes)
+        slots = torch.cat([query_slots.reshape(-1), query_slots.new_full((q_len - tq,), -1)]).to(torch.int32)
+    partial, full = classify_blocks(end_padded, sizes, slots)
     kv_num, kv_idx = _ordered_tables(partial)
     full_num, full_idx = _ordered_tables(full)
     block_mask = BlockMask.from_kv_blocks(
@@ -193,17 +226,20 @@ def tree_block_mask(subtree_end: torch.Tensor, block_size: int | tuple[int, int]
         full_num,
         full_idx,
         BLOCK_SIZE=sizes,
-        mask_mod=_interval_mask_mod(end_padded),
-        seq_lengths=(tp, tp),
+        mask_mod=_interval_mask_mod(end_padded, slots),
+        seq_lengths=(q_len, tp),
     )
-    _block_mask_cache[key] = (subtree_end, block_mask)
+    _block_mask_cache[key] = ((subtree_end, query_slots), block_mask)
     while len(_block_mask_cache) > _CACHE_SIZE:
         _block_mask_cache.popitem(last=False)
     return block_mask
 
 
-def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_slots: int) -> None:
-    """TypeError / ValueError unless q [b, h, T, d], k [b, hkv, T, d], v [b, hkv, T, dv] agree."""
+def _check_qkv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_slots: int, num_queries: int | None = None
+) -> None:
+    """TypeError / ValueError unless q [b, h, Tq, d], k [b, hkv, T, d], v [b, hkv, T, dv] agree
+    (Tq = T unless ``num_queries`` is given)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -215,16 +251,18 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_
         raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
     if not (query.device == key.device == value.device):
         raise ValueError(f"query/key/value devices differ: {query.device}, {key.device}, {value.device}")
-    b, h, t, d = query.shape
-    if key.shape[:3] != value.shape[:3] or key.shape[0] != b or key.shape[2] != t or key.shape[3] != d:
+    b, h, tq, d = query.shape
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != b or key.shape[3] != d:
         raise ValueError(
-            f"expected query [b, h, T, d], key [b, hkv, T, d], value [b, hkv, T, dv]; got "
+            f"expected query [b, h, Tq, d], key [b, hkv, T, d], value [b, hkv, T, dv]; got "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
     if h % key.shape[1]:
         raise ValueError(f"query heads {h} must be a multiple of key/value heads {key.shape[1]}")
-    if t != num_slots:
-        raise ValueError(f"query has T={t} slots but subtree_end has {num_slots}")
+    if key.shape[2] != num_slots:
+        raise ValueError(f"key/value have T={key.shape[2]} slots but subtree_end has {num_slots}")
+    if tq != (num_slots if num_queries is None else num_queries):
+        raise ValueError(f"query has {tq} rows, expected {num_slots if num_queries is None else num_queries}")
 
 
 def flex_tree_attention(
@@ -236,6 +274,7 @@ def flex_tree_attention(
     softmax_scale: float | None = None,
     block_size: int | tuple[int, int] = 128,
     kernel_options: dict | None = None,
+    query_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention: softmax over the keys each query sees in the interval encoding. Differentiable.
 
@@ -251,19 +290,24 @@ def flex_tree_attention(
         H200 with torch 2.11 the backward kernel has no tile configuration below 128.
       kernel_options: passed to ``flex_attention`` (tile sizes, ``fwd_``/``bwd_`` prefixes;
         ``benchmarks/attention_bench.py`` times a few).
+      query_slots: int [Tq] (context parallel): query row r is slot ``query_slots[r]``; then
+        query is [b, h, Tq, d] and the output [b, h, Tq, dv]. Pass the same tensor every layer.
 
     Returns:
-      [b, h, T, dv], dtype of ``query``.
+      [b, h, T, dv] (or [b, h, Tq, dv]), dtype of ``query``.
     """
     end = _check_subtree_end(subtree_end)
     t = end.shape[0]
-    _check_qkv(query, key, value, t)
+    tq = t if query_slots is None else query_slots.numel()
+    _check_qkv(query, key, value, t, tq)
     if end.device != query.device:
         raise ValueError(f"subtree_end is on {end.device} but query is on {query.device}")
-    block_mask = tree_block_mask(subtree_end, block_size)
-    pad = block_mask.seq_lengths[0] - t
+    block_mask = tree_block_mask(subtree_end, block_size, query_slots)
+    pad, pad_q = block_mask.seq_lengths[1] - t, block_mask.seq_lengths[0] - tq
+    if pad_q:
+        query = F.pad(query, (0, 0, 0, pad_q))
     if pad:
-        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+        key, value = (F.pad(x, (0, 0, 0, pad)) for x in (key, value))
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         out = _compiled_flex_attention(
             query,
@@ -274,4 +318,4 @@ def flex_tree_attention(
             enable_gqa=query.shape[1] != key.shape[1],
             kernel_options=kernel_options,
         )
-    return out[:, :, :t] if pad else out
+    return out[:, :, :tq] if pad_q else out

@@ -17,14 +17,16 @@ from __future__ import annotations
 import torch
 
 
-def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """Dense mask ``[T, T]`` bool, True = attend (PyTorch SDPA convention), from ``subtree_end`` [T] or [1, T].
+def dense_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense mask ``[Tq, T]`` bool, True = attend (PyTorch SDPA convention), from ``subtree_end`` [T] or [1, T].
 
-    Megatron's convention is the opposite (True = masked out): negate at that boundary.
+    ``query_slots`` int [Tq]: the slot of each query row (context parallel: a rank's queries);
+    None = every slot in order (Tq = T). Megatron's convention is the opposite (True = masked out):
+    negate at that boundary.
     """
     end = subtree_end.reshape(-1)
     t = end.shape[0]
     idx = torch.arange(t, device=end.device)
-    q = idx[:, None]
+    q = (idx if query_slots is None else query_slots.reshape(-1).to(idx))[:, None]
     k = idx[None, :]
     return (k <= q) & (q < end[None, :].to(idx.dtype))

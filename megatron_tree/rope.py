@@ -15,6 +15,11 @@ the gathered table serves it unchanged when b == 1.
 
 A forward pre-hook on each ``GPTModel`` hands ``position_ids`` to the module for the duration of
 the forward; every pipeline stage and model chunk is a ``GPTModel`` of its own and gets one.
+
+Context parallel: each rank holds S / cp slots (:mod:`megatron_tree.context_parallel`), and
+``position_ids [b, S / cp]`` are their depths. The upstream module would cut its table into the
+rank's causal zig-zag chunks; here it builds the whole ``[S, 1, 1, D]`` table (depths are < S)
+and the gather picks each local slot's row.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ from megatron_tree.router_stats import weigh_router_statistics
 __all__ = ["TreeRotaryEmbedding", "enable_tree_rope"]
 
 
+class _OneRank:
+    """Stands in for the CP group so the upstream module returns the table uncut."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+
 class TreeRotaryEmbedding(torch.nn.Module):
     """Drop-in for ``GPTModel.rotary_pos_emb`` that returns the table gathered at ``position_ids``.
 
@@ -39,13 +52,16 @@ class TreeRotaryEmbedding(torch.nn.Module):
     contract is upstream's: ``forward(max_seq_len, offset=0, packed_seq=False, cp_group=None)``
     returns what ``inner`` returns, with the ``[S, 1, 1, D]`` table replaced by
     ``[S, b, 1, D]`` = row ``position_ids[b, s]`` of the table for slot s. Positions must be
-    ``< S`` (a token's depth is at most its DFS slot index).
+    ``< S`` (a token's depth is at most its DFS slot index). Under context parallel
+    (``context_parallel_size`` > 1) ``max_seq_len`` is the whole micro-batch's S, ``position_ids``
+    the rank's ``[b, S / cp]``, and the result ``[S / cp, b, 1, D]``.
     """
 
-    def __init__(self, inner: RotaryEmbedding, *, apply_rope_fusion: bool):
+    def __init__(self, inner: RotaryEmbedding, *, apply_rope_fusion: bool, context_parallel_size: int = 1):
         super().__init__()
         self.inner = inner
         self.apply_rope_fusion = apply_rope_fusion
+        self.context_parallel_size = context_parallel_size
         self.position_ids: torch.Tensor | None = None
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
@@ -60,16 +76,18 @@ class TreeRotaryEmbedding(torch.nn.Module):
         cp_group: torch.distributed.ProcessGroup | None = None,
     ):
         """The upstream table for ``0..max_seq_len-1``, gathered at the captured ``position_ids``."""
-        out = self.inner(max_seq_len, offset, packed_seq, cp_group)
         pos = self.position_ids
+        cp = self.context_parallel_size
         if pos is None:
-            return out
+            return self.inner(max_seq_len, offset, packed_seq, cp_group)
+        out = self.inner(max_seq_len, offset, packed_seq, _OneRank() if cp > 1 else cp_group)
         table, *rest = out if isinstance(out, tuple) else (out,)
-        if pos.dim() != 2 or pos.shape[1] != max_seq_len:
+        if pos.dim() != 2 or pos.shape[1] * cp != max_seq_len:
             raise ValueError(
                 f"position_ids has shape {tuple(pos.shape)} but RoPE is built for "
-                f"{max_seq_len} slots; pass position_ids [b, {max_seq_len}] "
-                f"(TreeMicroBatch.position_ids) to the model"
+                f"{max_seq_len // cp} slots{f' per context-parallel rank' if cp > 1 else ''}; pass position_ids "
+                f"[b, {max_seq_len // cp}] ({'ContextParallelShard' if cp > 1 else 'TreeMicroBatch'}.position_ids) "
+                f"to the model"
             )
         if pos.shape[0] > 1 and self.apply_rope_fusion:
             raise ValueError(
@@ -107,10 +125,6 @@ def _gpt_models(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[GPTM
 
 def _check_supported(gpt: GPTModel) -> None:
     config = gpt.config
-    if config.context_parallel_size != 1:
-        raise ValueError(
-            f"tree RoPE needs context_parallel_size=1, got {config.context_parallel_size}"
-        )
     if config.multi_latent_attention:
         raise ValueError(
             "tree RoPE does not support multi-latent attention (MLA applies RoPE inside its "
@@ -137,7 +151,11 @@ def _check_supported(gpt: GPTModel) -> None:
 
 def _wrap_rotary(gpt: GPTModel) -> None:
     """Swap in :class:`TreeRotaryEmbedding` and hand it ``position_ids`` around each forward."""
-    rope = TreeRotaryEmbedding(gpt.rotary_pos_emb, apply_rope_fusion=gpt.config.apply_rope_fusion)
+    rope = TreeRotaryEmbedding(
+        gpt.rotary_pos_emb,
+        apply_rope_fusion=gpt.config.apply_rope_fusion,
+        context_parallel_size=gpt.config.context_parallel_size,
+    )
     gpt.rotary_pos_emb = rope
     signature = inspect.signature(gpt.forward)
 
@@ -192,7 +210,7 @@ def enable_tree_rope(model: torch.nn.Module | Iterable[torch.nn.Module]):
     Also marks the models' :class:`TreeCoreAttention` modules as fed correct positions (they
     refuse to run otherwise), and makes their MoE routers count each slot once per sequence
     through it (:func:`megatron_tree.router_stats.weigh_router_statistics`). Raises for MLA,
-    mrope, multi-token prediction, context parallel, and MoE token dropping.
+    mrope, multi-token prediction, and MoE token dropping.
     """
     for gpt in _gpt_models(model):
         _install(gpt)

@@ -136,10 +136,11 @@ def _check_supported(router: TopKRouter) -> None:
                 f"routing balances over the micro-batch's tokens, which a tree holds once per slot; use "
                 f"'aux_loss', 'seq_aux_loss', 'global_aux_loss' or 'none'"
             )
-    if config.sequence_parallel and _statistics(router):
+    if (config.sequence_parallel or config.context_parallel_size > 1) and _statistics(router):
         raise ValueError(
-            f"tree MoE router statistics ({', '.join(_statistics(router))}) need sequence_parallel=False: "
-            f"each rank's router would see a slice of the slots and their weights; turn sequence parallel "
+            f"tree MoE router statistics ({', '.join(_statistics(router))}) need sequence_parallel=False and "
+            f"context_parallel_size=1 (got {config.sequence_parallel} / {config.context_parallel_size}): each rank's "
+            f"router would see a slice of the slots and their weights; turn sequence / context parallel "
             f"off or the statistics off (moe_aux_loss_coeff=0 / moe_z_loss_coeff=None / "
             f"moe_router_enable_expert_bias=False)"
         )

@@ -21,6 +21,12 @@ micro-batching, so a tree step equals the flat step on the same sequences exactl
 without that flag Megatron averages per-micro-batch means, which depends on how
 sequences fall into micro-batches, and :func:`tree_forward_backward` refuses it.
 
+Context parallel (CP > 1): every CP rank holds the same micro-batches; each is padded to a
+multiple of ``cp * CP_CHUNKS`` slots and split by :func:`~megatron_tree.context_parallel.shard_micro_batch`
+(the model sees the rank's shard, ``loss_fn`` the whole micro-batch). The head's outputs are
+gathered into the whole ``[N]`` layout on every CP rank, every CP rank computes the same loss,
+and its count is counted once (on CP rank 0), so the division by the global count stays exact.
+
 Megatron divides the gradients by that count, and reduces them over data-parallel ranks,
 only in ``config.finalize_model_grads_func`` (megatron-core's ``finalize_model_grads``,
 which Megatron's training loop sets), on a model wrapped in its ``DistributedDataParallel``.
@@ -40,7 +46,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from megatron_tree.logprobs import gather_tree_logprobs
+from megatron_tree.context_parallel import CP_CHUNKS, ContextParallelShard, gather_targets, shard_micro_batch
+from megatron_tree.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
 from megatron_tree.microbatch import TreeMicroBatch
 from megatron_tree.packed_seq import thd_packed_seq_params
 from megatron_tree.model_check import check_tree_model
@@ -74,12 +81,18 @@ def tree_data_iterators(
     device: torch.device | str,
     pad_to: int | None = None,
     pad_multiple: int = 1,
-) -> Iterator[TreeMicroBatch] | list[Iterator[TreeMicroBatch]]:
+    cp: tuple[int, int] | None = None,
+) -> Iterator | list[Iterator]:
     """Data iterator(s) for ``forward_backward_func``: one over ``mbs`` per model chunk
     (a plain iterator when there is one chunk). ``pad_to`` pads every micro-batch to that
     many slots (fixed-length schedules); otherwise each is padded to a multiple of
-    ``pad_multiple`` slots (sequence parallel splits the slots over TP ranks)."""
-    moved = [mb.padded_to(_padded_length(mb, pad_to, pad_multiple)).to(device) for mb in mbs]
+    ``pad_multiple`` slots (sequence parallel splits the slots over TP ranks; context parallel
+    needs a multiple of ``cp * CP_CHUNKS``). Items are the micro-batches, or with ``cp = (rank,
+    size)`` pairs ``(micro-batch, its ContextParallelShard for this rank)``."""
+    moved = []
+    for mb in mbs:
+        mb = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
+        moved.append(mb.to(device) if cp is None else (mb.to(device), shard_micro_batch(mb, cp[1], cp[0]).to(device)))
     its = [iter(moved) for _ in range(num_model_chunks)]
     return its[0] if num_model_chunks == 1 else its
 
@@ -91,8 +104,10 @@ def tree_forward_step(
     temperature: float = 1.0,
     head: str = "logprobs",
     with_entropy: bool = False,
+    cp_group: torch.distributed.ProcessGroup | None = None,
 ) -> Callable:
-    """A ``forward_step_func`` for megatron-core schedules over :class:`TreeMicroBatch` items.
+    """A ``forward_step_func`` for megatron-core schedules over :class:`TreeMicroBatch` items
+    (under context parallel, ``(micro-batch, ContextParallelShard)`` items and the ``cp_group``).
 
     The model must be built with tree attention and per-token RoPE (see
     ``patch_bridge_for_tree_training`` / ``tree_layer_spec`` + ``enable_tree_rope``);
@@ -102,14 +117,21 @@ def tree_forward_step(
     """
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        item = next(data_iterator)
         check_tree_model(model)  # walks each chunk once
-        # MoE routers weigh each slot by the sequences through it (megatron_tree.router_stats).
-        padding_mask = tree_padding_mask(mb) if get_model_config(model).num_moe_experts else None
-        output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask)
+        mb, shard = item if isinstance(item, tuple) else (item, None)
+        moe = bool(get_model_config(model).num_moe_experts)
+        if shard is None:
+            # MoE routers weigh each slot by the sequences through it (megatron_tree.router_stats).
+            padding_mask = tree_padding_mask(mb) if moe else None
+            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask)
+        else:  # router statistics are refused under CP: the mask only marks padding
+            padding_mask = shard.multiplicity == 0 if moe else None
+            output = model(shard.input_ids, shard.position_ids, shard.attention_mask, padding_mask=padding_mask)
         return output, tree_loss_func(
-            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy
-        )
+            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
+            shard=shard, cp_group=cp_group,
+        )  # fmt: skip
 
     return forward_step
 
@@ -157,14 +179,47 @@ def _head_outputs(
     temperature: float,
     with_entropy: bool,
     inplace_backward: bool,
+    shard: ContextParallelShard | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
 ):
-    """The model's ``output`` for ``mb`` through ``head`` (:data:`HEADS`)."""
+    """The model's ``output`` for ``mb`` through ``head`` (:data:`HEADS`); under context parallel
+    ``output`` covers ``shard``'s slots and the result is gathered over ``cp_group``."""
+    if shard is not None:
+        return _shard_head_outputs(
+            output, shard, head, cp_group, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
+            inplace_backward=inplace_backward,
+        )  # fmt: skip
     if head == "logprobs":
         return gather_tree_logprobs(
             output, mb, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
             inplace_backward=inplace_backward,
         )  # fmt: skip
     return (gather_tree_values if head == "values" else gather_tree_scores)(output, mb)
+
+
+def _shard_head_outputs(output, shard, head, cp_group, *, tp_group, temperature, with_entropy, inplace_backward):
+    """:func:`_head_outputs` of one CP rank's shard: its own targets (sequences, for scores), then the
+    whole micro-batch's layout on every CP rank (:func:`~megatron_tree.context_parallel.gather_targets`)."""
+    s = shard.num_slots
+    if not isinstance(output, torch.Tensor) or output.ndim != 3 or output.shape[:2] != (1, s):
+        raise ValueError(
+            f"under context parallel the model output must be [1, s={s}, ...] for this rank's shard; got shape "
+            f"{tuple(getattr(output, 'shape', ()))}"
+        )
+    if head == "logprobs":
+        outs = vocab_parallel_logprobs(
+            output.squeeze(0), shard.target_slots, shard.target_labels, tp_group=tp_group, temperature=temperature,
+            with_entropy=with_entropy, rows=s, inplace_backward=inplace_backward,
+        )  # fmt: skip
+        outs = outs if with_entropy else (outs,)
+        full = tuple(gather_targets(o, shard.target_index, shard.num_targets, cp_group) for o in outs)
+        return full if with_entropy else full[0]
+    if output.shape[2] != 1:
+        raise ValueError(f"head={head!r} needs a value head's output [1, s, 1]; got shape {tuple(output.shape)}")
+    values = output.reshape(s)
+    if head == "values":
+        return gather_targets(values[shard.target_slots], shard.target_index, shard.num_targets, cp_group)
+    return gather_targets(values[shard.last_slots], shard.last_index, shard.num_sequences, cp_group)
 
 
 def tree_loss_func(
@@ -175,18 +230,23 @@ def tree_loss_func(
     temperature: float,
     head: str = "logprobs",
     with_entropy: bool = False,
+    shard: ContextParallelShard | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]:
     """The ``loss_func`` a forward step returns for ``mb``: the model's output (logits ``[b, T, V/tp]``,
     or a value head's ``[b, T, 1]``) -> Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``
     from ``loss_fn(outputs, mb)``, ``outputs`` as ``head`` and ``with_entropy`` make them (:data:`HEADS`).
     Called with ``non_loss_data=True`` (the schedule's ``collect_non_loss_data``) it returns the
-    detached outputs instead, and ``loss_fn`` may be None."""
+    detached outputs instead, and ``loss_fn`` may be None. Under context parallel ``output`` covers
+    ``shard`` (this rank's part of ``mb``), ``loss_fn`` still sees the whole micro-batch's outputs,
+    and the count goes to the schedule on CP rank 0 only (each CP rank backpropagates the same loss
+    through its own slots; the loss dict reports the full count everywhere)."""
 
     def loss_func(output: torch.Tensor, non_loss_data: bool = False):
         # The logits feed nothing else: their memory takes their gradient in the backward.
         outputs = _head_outputs(
             output, mb, head, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
-            inplace_backward=not non_loss_data,
+            inplace_backward=not non_loss_data, shard=shard, cp_group=cp_group,
         )  # fmt: skip
         if non_loss_data:
             return tuple(o.detach() for o in outputs) if isinstance(outputs, tuple) else outputs.detach()
@@ -205,6 +265,8 @@ def tree_loss_func(
         count = torch.as_tensor(count, dtype=torch.int, device=loss.device).reshape(())
         loss = loss.reshape(())
         report = torch.stack([loss.detach().float(), count.float()])
+        if shard is not None and shard.rank:
+            count = torch.zeros_like(count)
         return loss, count, {"loss": report}
 
     return loss_func
@@ -215,6 +277,23 @@ def _all_reduce_max(values: list[int], device: torch.device) -> list[int]:
     t = torch.tensor(values, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t.tolist()
+
+
+def _check_same_across_context_parallel(mbs: Sequence[TreeMicroBatch], device: torch.device) -> None:
+    """Raise unless every context-parallel rank holds the same micro-batches (counts, slots, sequences,
+    token ids); one MAX all-reduce over the CP group."""
+    mine = [len(mbs), sum(mb.num_slots for mb in mbs), sum(len(mb.sequence_ids) for mb in mbs),
+            sum(int(mb.input_ids.sum()) for mb in mbs)]  # fmt: skip
+    t = torch.tensor(mine + [-v for v in mine], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
+    most, neg_least = t[: len(mine)].tolist(), t[len(mine) :].tolist()
+    if most != [-v for v in neg_least]:
+        raise ValueError(
+            f"context-parallel ranks hold different micro-batches (micro-batches, slots, sequences, token-id sum: "
+            f"this rank {mine}, largest {most}): every rank of a context-parallel group must pass the same "
+            f"micro-batches (the same data as its data-parallel rank; pack with "
+            f"dp_group=parallel_state.get_data_parallel_group())"
+        )
 
 
 def _padded_length(mb: TreeMicroBatch, pad_to: int | None, pad_multiple: int) -> int:
@@ -314,8 +393,8 @@ def tree_forward_backward(
 
     Validates what the schedule needs: a tree model (tree attention and per-token RoPE in
     every chunk, :func:`~megatron_tree.model_check.check_tree_model`),
-    ``calculate_per_token_loss``, no context parallel, a micro-batch count that interleaved
-    PP accepts. To train (``forward_only=False``) it needs ``config.finalize_model_grads_func``:
+    ``calculate_per_token_loss``, a micro-batch count that interleaved PP accepts, the same
+    micro-batches on every context-parallel rank (module docstring). To train (``forward_only=False``) it needs ``config.finalize_model_grads_func``:
     set to megatron-core's ``finalize_model_grads`` when unset on a model wrapped in Megatron's
     DDP (logged, INFO, logger ``megatron_tree.schedule``), else ``ValueError`` (see the module
     docstring). The first call for a model logs its parameters' dtype (INFO).
@@ -377,10 +456,13 @@ def _run_schedule(
     if chunks[0] not in _ANNOUNCED:
         _ANNOUNCED.add(chunks[0])
         _log.info("model parameters are %s (log-probs in fp32 from the logits)", next(chunks[0].parameters()).dtype)
-    if parallel_state.get_context_parallel_world_size() > 1:
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 and thd:
         raise ValueError(
-            f"context parallel size {parallel_state.get_context_parallel_world_size()} is not supported "
-            f"by tree attention; use context_parallel_size=1 (split long trees over micro-batches instead)"
+            f"the THD flat path (flat_forward_backward / flat_forward_only) does not run under context parallel "
+            f"(size {cp}): it would need Transformer Engine's CP attention and Megatron's THD sharding; run the "
+            f"flat baseline as chains through the tree path (pack_trees(..., share_prefixes=False) and "
+            f"tree_forward_backward) or with context_parallel_size=1"
         )
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if len(chunks) > 1:
@@ -395,6 +477,8 @@ def _run_schedule(
         raise ValueError("got no micro-batches; pack_trees returns at least one")
     _check_token_ids(chunks[0], mbs)
     device = next(chunks[0].parameters()).device
+    if cp > 1:
+        _check_same_across_context_parallel(mbs, device)
     length = max(mb.num_slots for mb in mbs)
     expert_parallel = bool(config.num_moe_experts) and parallel_state.get_expert_model_parallel_world_size() > 1
     # One length everywhere only where the schedule needs it: pipeline stages exchange
@@ -413,8 +497,10 @@ def _run_schedule(
             )
         if fixed:
             length = longest
-    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks.
+    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks; context parallel
+    # cuts them into cp * CP_CHUNKS equal chunks.
     multiple = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    multiple *= cp * CP_CHUNKS if cp > 1 else 1
     length = -(-length // multiple) * multiple
     pad_to = length if fixed else None
     if tp_group is None:
@@ -426,10 +512,15 @@ def _run_schedule(
             temperature=temperature, head=head, with_entropy=with_entropy,
         )
     else:
+        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
         forward_step = tree_forward_step(
-            loss_fn, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy
-        )
-        data_iterator = tree_data_iterators(mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple)
+            loss_fn, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
+            cp_group=cp_group,
+        )  # fmt: skip
+        data_iterator = tree_data_iterators(
+            mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple,
+            cp=(parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None,
+        )  # fmt: skip
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,

@@ -145,17 +145,20 @@ def _check_size(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def init_cpu_distributed(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None, *, seed: int = 1234) -> None:
+def init_cpu_distributed(
+    tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None, *, cp: int = 1, seed: int = 1234
+) -> None:
     """Initialise gloo ``torch.distributed`` and megatron-core model parallelism for CPU runs.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) it joins that job;
     otherwise it starts a one-process group on a free local port. An existing process
     group is reused. Megatron's parallel state is (re)initialised with tensor parallel
-    ``tp``, pipeline parallel ``pp``, expert parallel ``ep`` and virtual pipeline
-    ``vpp`` (None = no interleaving; data parallel = world / (tp * pp)), then the model-
+    ``tp``, pipeline parallel ``pp``, expert parallel ``ep``, virtual pipeline
+    ``vpp`` (None = no interleaving) and context parallel ``cp`` (data parallel = world /
+    (tp * pp * cp)), then the model-
     parallel RNG tracker is seeded with ``seed`` under :func:`cpu_mode`.
     """
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         _check_size(name, value)
     if vpp is not None:
         _check_size("vpp", vpp)
@@ -168,10 +171,10 @@ def init_cpu_distributed(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None 
         else:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
+    if world % (tp * pp * cp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by tp * pp = {tp} * {pp}; "
-            f"launch a multiple of {tp * pp} processes (torchrun --nproc-per-node) or lower tp/pp"
+            f"world size {world} is not divisible by tp * pp * cp = {tp} * {pp} * {cp}; "
+            f"launch a multiple of {tp * pp * cp} processes (torchrun --nproc-per-node) or lower tp/pp/cp"
         )
     if (world // pp) % ep != 0:
         raise ValueError(f"expert parallel ep={ep} must divide world / pp = {world // pp}; lower ep")
@@ -182,6 +185,7 @@ def init_cpu_distributed(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None 
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
     )
     with cpu_mode():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -4,12 +4,15 @@ micro-batch, same model, same sequences; loss and gradients must agree (relative
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --tp 2 --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --pp 2 [--vpp 2] --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --ep 2 --arch qwen3_moe --ckpt DIR
+    torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --cp 2 --ckpt DIR --dump grads_cp2.pt
 
 Runs on CPU (gloo, fp32) and on GPUs (NCCL). With Transformer Engine (GPUs) it also runs the flat
 path Megatron users run (the upstream model, THD-packed micro-batches through cuDNN attention,
 ``flat_forward_backward``) and compares the tree step with it. ``--bf16`` reports each path's
 gradient error against the fp32 flat step and asserts the tree's is at most 2x the flat paths' worst.
-With DP > 1 the ranks get unequal numbers of trees; the model is wrapped in Megatron's DDP
+``--cp 2`` runs both steps under context parallel (each micro-batch's slots split over 2 ranks);
+``--dump FILE`` saves the tree step's loss and gradients (rank 0) so a test can compare runs of
+different parallel layouts. With DP > 1 the ranks get unequal numbers of trees; the model is wrapped in Megatron's DDP
 and gradients go through ``finalize_model_grads`` (per-token normalisation over all ranks).
 Prints ``PARITY rank=R loss_rel=... grad_rel=...`` and exits non-zero on a mismatch.
 """
@@ -60,6 +63,8 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size")
+    ap.add_argument("--dump", help="save the tree step's loss and gradients here (rank 0)")
     ap.add_argument("--etp", type=int, help="expert tensor parallel size (default: TP), GPUs only")
     ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoint (shared by ranks)")
@@ -85,12 +90,12 @@ def main():
             dist.init_process_group("nccl")
             ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                           virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
-                                          expert_tensor_parallel_size=args.etp)
+                                          expert_tensor_parallel_size=args.etp, context_parallel_size=args.cp)
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(7)
         else:
-            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, seed=7)
+            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, cp=args.cp, seed=7)
         path = save_tiny_hf_checkpoint(args.arch, args.ckpt, num_hidden_layers=args.layers)
         def build(bf16: bool, tree: bool = True):
             return build_tree_model(
@@ -135,6 +140,13 @@ def main():
 
         rank = dist.get_rank()
         tree_loss, tree_grad = step(tree_mbs)
+        if args.dump and rank == 0 and args.pp == 1:
+            torch.save({"loss": tree_loss, "grads": tree_grad}, args.dump)
+        if args.cp > 1:  # every CP rank ends the step with the same full gradients
+            spread = tree_grad.clone()
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ps.get_context_parallel_group())
+            cp_same = bool(torch.equal(spread, tree_grad))
+            print(f"CP rank={rank} cp_ranks_equal_grads={cp_same}", flush=True)
         flat_loss, flat_grad = step(flat_mbs)
         loss_rel = abs(tree_loss - flat_loss) / abs(flat_loss)
         grad_rel = float((tree_grad - flat_grad).abs().max() / flat_grad.abs().max().clamp(min=1e-30))
@@ -183,6 +195,7 @@ def main():
                 flush=True,
             )
         ok = bf16_ok if args.bf16 else (loss_rel < args.tol and grad_rel < args.tol and float(flat_grad.abs().max()) > 0)
+        ok = ok and (args.cp == 1 or cp_same)
         if thd and not args.bf16:
             ok = ok and thd_loss_rel < args.tol and thd_grad_rel < args.tol
         if dp > 1:
