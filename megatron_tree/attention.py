@@ -424,7 +424,13 @@ class TreeCoreAttention(MegatronModule):
         if cp_group is None and config.context_parallel_size > 1:
             from megatron.core import parallel_state
 
-            cp_group = parallel_state.get_context_parallel_group()
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+            if cp_group is None:
+                raise ValueError(
+                    f"context_parallel_size={config.context_parallel_size} but there is no context-parallel group: "
+                    f"initialise megatron's parallel state with context_parallel_size={config.context_parallel_size} "
+                    f"before building the model (or pass pg_collection)"
+                )
         multi = cp_group is not None and torch.distributed.get_world_size(cp_group) > 1
         self.cp_group = cp_group if multi else None
 

@@ -88,7 +88,7 @@ def tree_layer_spec(
              ``..._with_transformer_engine_spec``) or a ``TransformerBlockSubmodules``
              (``get_gpt_decoder_block_spec``, heterogeneous/MoE models).
     backend  name of a registered tree attention backend (``"auto"``, ``"dense"``, ``"flex"``).
-    config   optional: also check the model config now (context parallel, sliding window,
+    config   optional: also check the model config now (sliding window,
              MLA, ...) instead of when the model is built.
 
     Raises (never skips) for a layer whose attention is not a standard ``SelfAttention``.

@@ -169,7 +169,7 @@ def test_low_precision_error_is_a_small_multiple_of_plain_path(dtype, device):
 def test_mask_prepared_once_per_micro_batch_and_shared_by_recompute(monkeypatch):
     calls = []
     real = tree_attn_mod.dense_tree_mask
-    monkeypatch.setattr(tree_attn_mod, "dense_tree_mask", lambda e: calls.append(1) or real(e))
+    monkeypatch.setattr(tree_attn_mod, "dense_tree_mask", lambda e, q=None: calls.append(1) or real(e, q))
     PREPARED_MASKS.clear()
     ends, _ = dfs_layout(FORESTS["branching"])
     mask = ends[None].clone()
@@ -200,8 +200,8 @@ def test_dropout_only_in_training():
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_refuses_context_parallel():
-    with pytest.raises(ValueError, match="context_parallel_size=2"):
+def test_context_parallel_needs_its_group():
+    with pytest.raises(ValueError, match="context_parallel_size=2 but there is no context-parallel group"):
         make_core(2, 2, 4, context_parallel_size=2)
 
 

@@ -85,8 +85,6 @@ def test_refuses_unconvertible_configs():
     spec = get_gpt_layer_local_spec()
     with pytest.raises(ValueError, match="window_size"):
         tree_layer_spec(spec, config=config(window_size=(4, 0)))
-    with pytest.raises(ValueError, match="context_parallel_size=2"):
-        tree_layer_spec(spec, config=config(context_parallel_size=2))
     with pytest.raises(ValueError, match="unknown tree attention backend"):
         tree_layer_spec(spec, backend="nope")
 

@@ -142,7 +142,7 @@ def main():
         tree_loss, tree_grad = step(tree_mbs)
         if args.dump and rank == 0 and args.pp == 1:
             torch.save({"loss": tree_loss, "grads": tree_grad}, args.dump)
-        if args.cp > 1:  # every CP rank ends the step with the same full gradients
+        if args.cp > 1 and args.ep == 1:  # every CP rank ends the step with the same full gradients (EP shards experts)
             spread = tree_grad.clone()
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ps.get_context_parallel_group())
             cp_same = bool(torch.equal(spread, tree_grad))
@@ -195,7 +195,7 @@ def main():
                 flush=True,
             )
         ok = bf16_ok if args.bf16 else (loss_rel < args.tol and grad_rel < args.tol and float(flat_grad.abs().max()) > 0)
-        ok = ok and (args.cp == 1 or cp_same)
+        ok = ok and (args.cp == 1 or args.ep > 1 or cp_same)
         if thd and not args.bf16:
             ok = ok and thd_loss_rel < args.tol and thd_grad_rel < args.tol
         if dp > 1:
