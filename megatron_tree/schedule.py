@@ -215,7 +215,10 @@ def _shard_head_outputs(output, shard, head, cp_group, *, tp_group, temperature,
         full = tuple(gather_targets(o, shard.target_index, shard.num_targets, cp_group) for o in outs)
         return full if with_entropy else full[0]
     if output.shape[2] != 1:
-        raise ValueError(f"head={head!r} needs a value head's output [1, s, 1]; got shape {tuple(output.shape)}")
+        raise ValueError(
+            f"head={head!r} needs a value head's output [1, s, 1]; got shape {tuple(output.shape)}. A [1, s, V] "
+            f"output is a language-model head: build the model with a value head (mbridge's make_value_model callback)."
+        )
     values = output.reshape(s)
     if head == "values":
         return gather_targets(values[shard.target_slots], shard.target_index, shard.num_targets, cp_group)

@@ -14,8 +14,9 @@ ROW = re.compile(r"RLPASSES rank=(\d+) (.*?) tree_tokens=")
 
 @pytest.mark.parametrize(
     "args",
-    [["--tp", "2", "--recompute", "full"], ["--pp", "2", "--vpp", "2"], ["--ep", "2", "--arch", "qwen3_moe"]],
-    ids=["tp2-recompute-full", "pp2-vpp2", "dp2-unequal-trees-ep2-moe"],
+    [["--tp", "2", "--recompute", "full"], ["--pp", "2", "--vpp", "2"], ["--ep", "2", "--arch", "qwen3_moe"],
+     ["--cp", "2", "--recompute", "selective"]],
+    ids=["tp2-recompute-full", "pp2-vpp2", "dp2-unequal-trees-ep2-moe", "cp2-recompute-selective"],
 )
 def test_rl_passes_equal_per_sequence(tmp_path, args):
     out = run_torchrun("scripts/rl_passes_parity.py", 2, ["--ckpt", str(tmp_path), *args], timeout=600)

@@ -12,6 +12,7 @@ without pipeline or expert parallel, also the upstream (causal) model called on 
     torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --pp 2 --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --ckpt DIR      # DP 2, unequal trees
     torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --ep 2 --arch qwen3_moe --ckpt DIR
+    torchrun --nproc-per-node 2 tests/scripts/rl_passes_parity.py --cp 2 --ckpt DIR
 
 Prints ``RLPASSES rank=R logprobs=.. entropy=.. values=.. scores=.. critic_loss_rel=.. critic_grad_rel=..``
 (max abs errors, relative for the critic) and exits non-zero above ``--tol``. With Transformer
@@ -55,6 +56,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size")
     ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoints (shared by ranks)")
     ap.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
@@ -77,12 +79,13 @@ def main():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl")
             ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep)
+                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
+                                          context_parallel_size=args.cp)
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(7)
         else:
-            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, seed=7)
+            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, cp=args.cp, seed=7)
         rank, device = dist.get_rank(), torch.device("cuda" if cuda else "cpu")
         path = save_tiny_hf_checkpoint(args.arch, os.path.join(args.ckpt, "policy"), num_hidden_layers=4)
 
@@ -144,8 +147,9 @@ def main():
             "values": max_err(values, ref_values), "scores": max_err([scores], [ref_scores]),
         }  # fmt: skip
         # Also the upstream causal models, each sequence alone (not under EP: the ranks' sequences differ;
-        # not under sequence parallel: a lone sequence's length need not split over TP).
-        if args.pp == 1 and args.ep == 1 and not get_model_config(policy[0]).sequence_parallel:
+        # not under sequence parallel: a lone sequence's length need not split over TP; not under CP:
+        # megatron-core's own attention has no context parallel).
+        if args.pp == 1 and args.ep == 1 and args.cp == 1 and not get_model_config(policy[0]).sequence_parallel:
             tp_group = ps.get_tensor_model_parallel_group() if args.tp > 1 else None
             flat_policy, flat_critic = build(path, tree=False)[1][0], build(value_path, tree=False, value=True)[1][0]
             with torch.no_grad():
@@ -226,7 +230,7 @@ def main():
         # With Transformer Engine (GPUs): the flat path Megatron users run, upstream models on THD-packed
         # sequences. With --bf16: every path in bf16 against the fp32 per-sequence results.
         want = dict(logprobs=ref_lp, entropy=ref_ent, values=ref_values, scores=[ref_scores])
-        thd = cuda and have_transformer_engine()
+        thd = cuda and have_transformer_engine() and args.cp == 1
         thd_mbs = pack_trees(local, spec, dp_group=dp_group if dp > 1 else None, share_prefixes=False)
 
         def all_passes(policy, critic, mbs, forward_only, run):
