@@ -158,7 +158,7 @@ def main():
         )
         # With Transformer Engine, also the flat path Megatron users run: the upstream model, each
         # sequence a THD segment of packed micro-batches through cuDNN fused attention.
-        thd = cuda and have_transformer_engine()
+        thd = cuda and have_transformer_engine() and args.cp == 1  # the THD flat path has no CP
         if thd:
             thd_model = build(args.bf16, tree=False)[1]
             thd_mbs = pack_trees(local, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=divisor, n_mbs_divisor=divisor),
