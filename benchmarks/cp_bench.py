@@ -103,7 +103,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = sorted(rows, key=lambda r: (r["model"], r["slots"], r["cp"], r["recompute"]))
-    labels = [f"{r['model']}\n{r['slots'] // 1024}k slots\nCP={r['cp']} rc={r['recompute']}" for r in rows]
+    labels = [f"{r['model']}\n{r['unique_tokens'] / 1000:.0f}k tokens\nCP={r['cp']} recompute={r['recompute']}" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(2.2 * len(rows) + 2, 4))
     x = range(len(rows))
     a.bar(x, [r.get("step_s", 0) for r in rows], color=["tab:red" if r["result"] == "oom" else "tab:blue" for r in rows])
