@@ -48,6 +48,20 @@ def test_launcher_dp2_balances_ranks(tmp_path):
         assert rec["dp_tree_token_imbalance"] < 1.2, rec
 
 
+@pytest.mark.parametrize("loss", ["grpo", "ppo"])
+def test_launcher_context_parallel_equals_one_rank(tmp_path, loss):
+    """--cp 2 (each micro-batch's slots over two ranks) logs the one-process run's losses and grad norms."""
+    args = ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--batch-size", "2", "--loss", loss, "--no-progress"]
+    one, two = tmp_path / "cp1.jsonl", tmp_path / "cp2.jsonl"
+    run_torchrun(LAUNCHER, 1, [*args, "--log-jsonl", str(one)], timeout=600)
+    run_torchrun(LAUNCHER, 2, [*args, "--cp", "2", "--log-jsonl", str(two)], timeout=600)
+    keys = ["loss", "loss_tokens", "grad_norm", "tree_tokens"] + (["critic_loss", "critic_grad_norm"] if loss == "ppo" else [])
+    for a, b in zip(records(one), records(two), strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
+        assert "cp_pair_imbalance" not in a and b["cp_pair_imbalance"] < 1.1 and len(b["cp_rank_pairs"]) == 2
+
+
 @pytest.mark.parametrize(
     "config, args",
     [("tiny_qwen3.yaml", ["--tp", "2", "--pp", "2"]), ("tiny_qwen3_moe.yaml", ["--ep", "2", "--pp", "2"])],

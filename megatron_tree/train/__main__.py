@@ -28,6 +28,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--pp": ("parallel.pp", {}),
     "--vpp": ("parallel.vpp", {}),
     "--ep": ("parallel.ep", {}),
+    "--cp": ("parallel.cp", {}),
     "--max-tokens-per-mb": ("micro_batch.max_tokens_per_mb", {}),
     "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": ["ffd", "kk"]}),
     "--data-path": ("data.path", {"metavar": "FILE"}),

@@ -3,7 +3,7 @@
 A config file has up to seven sections; every key is optional::
 
     model:       {hf_path: /path/to/hf}  or  {arch: qwen3, hf_overrides: {hidden_size: 64, ...}, random_init: false}
-    parallel:    {tp: 1, pp: 1, vpp: null, ep: 1}            # dp = world / (tp * pp)
+    parallel:    {tp: 1, pp: 1, vpp: null, ep: 1, cp: 1}     # dp = world / (tp * pp * cp)
     micro_batch: {max_tokens_per_mb: 1024, ...}              # MicroBatchSpec fields
     data:        {path: rollouts.jsonl | .parquet}  or  {workload: grpo | multi_turn, batch_size: ..., ...}
     train:       {steps: 5, lr: 1.0e-3, seed: 0, loss: sft | grpo, ...}
@@ -174,9 +174,11 @@ class ParallelConfig(_Section):
     pp: int = _field(1, "pipeline parallel size")
     vpp: int | None = _field(None, "virtual pipeline stages per rank (interleaved PP); num_hidden_layers % (pp*vpp) == 0")
     ep: int = _field(1, "expert parallel size (MoE)")
+    cp: int = _field(1, "context parallel size: each micro-batch's slots split over cp ranks (long trees; the "
+                        "README says when)")
 
     def _check(self) -> None:
-        for key in ("tp", "pp", "ep"):
+        for key in ("tp", "pp", "ep", "cp"):
             self._need(getattr(self, key) >= 1, key, "an int >= 1")
         self._need(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp",
                    f"null or an int >= 2 with pp >= 2 (pp={self.pp})")

@@ -33,7 +33,9 @@ def format_line(record: dict[str, Any], steps: int) -> str:
         f" iteration {record['step']:4d}/{steps} | loss {record['loss']:.5f} | grad norm {grad} | tokens/s "
         f"{record['tokens_per_s']:.0f} | tree_token_ratio {record['tree_token_ratio']:.3f} | micro-batches "
         f"{record['micro_batches']} | mb imbalance {record['mb_imbalance']:.3f} | dp tree-token imbalance "
-        f"{record['dp_tree_token_imbalance']:.3f} | peak mem {record['peak_mem_gib']:.2f} GiB"
+        f"{record['dp_tree_token_imbalance']:.3f}"
+        + (f" | cp pair imbalance {record['cp_pair_imbalance']:.3f}" if "cp_pair_imbalance" in record else "")
+        + f" | peak mem {record['peak_mem_gib']:.2f} GiB"
     )
 
 

@@ -42,7 +42,7 @@ def init_distributed(cfg: RunConfig, cuda: bool) -> None:
 
     p = cfg.parallel
     if not cuda:
-        init_cpu_distributed(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, seed=cfg.train.seed + 1)
+        init_cpu_distributed(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, cp=p.cp, seed=cfg.train.seed + 1)
         return
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
@@ -52,14 +52,15 @@ def init_distributed(cfg: RunConfig, cuda: bool) -> None:
             port = os.environ.get("MASTER_PORT", "29511")
             dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (p.tp * p.pp):
-        raise ValueError(f"world size {world} is not divisible by tp * pp = {p.tp} * {p.pp}; launch a multiple of "
-                         f"{p.tp * p.pp} processes (torchrun --nproc-per-node) or lower tp/pp")
+    if world % (p.tp * p.pp * p.cp):
+        raise ValueError(f"world size {world} is not divisible by tp * pp * cp = {p.tp} * {p.pp} * {p.cp}; launch a "
+                         f"multiple of {p.tp * p.pp * p.cp} processes (torchrun --nproc-per-node) or lower tp/pp/cp")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp,
         expert_model_parallel_size=p.ep,
+        context_parallel_size=p.cp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed + 1)
 
@@ -77,10 +78,12 @@ def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
 
 def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
     """Whether the run builds a tree model: always, except for the flat baseline with Transformer
-    Engine on GPUs, which runs the upstream model on THD-packed sequences (``flat_forward_backward``)."""
+    Engine on GPUs, which runs the upstream model on THD-packed sequences (``flat_forward_backward``),
+    unless context parallel is on (that path has none: the flat baseline then runs as chains through
+    the tree model)."""
     from megatron_tree.config_overrides import have_transformer_engine
 
-    return cfg.train.tree_training or not (cuda and have_transformer_engine())
+    return cfg.train.tree_training or cfg.parallel.cp > 1 or not (cuda and have_transformer_engine())
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
@@ -177,8 +180,8 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
     num[2] = peak_memory_gib(cuda)
     stats = PackingStats.of(mbs, spec.max_tokens_per_mb)
     tokens = torch.tensor([stats.original_tokens, stats.tree_tokens], dtype=torch.float64, device=device)
-    dist.all_reduce(num[:2])  # only last-stage ranks of each DP replica contribute, once per TP rank
-    num[:2] /= ps.get_tensor_model_parallel_world_size()
+    dist.all_reduce(num[:2])  # only last-stage ranks of each DP replica contribute, once per TP and CP rank
+    num[:2] /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
     peak = num[2:].clone()
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dp_group = ps.get_data_parallel_group()
@@ -208,7 +211,22 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
         dp_tree_tokens=[int(r[1]) for r in per_rank],
         dp_tree_token_imbalance=BalanceStats.of([float(r[1]) for r in per_rank]).imbalance,
         peak_mem_gib=float(peak[0]),
+        **_context_parallel_balance(mbs, ps.get_context_parallel_world_size()),
     )
+
+
+def _context_parallel_balance(mbs, cp: int) -> dict[str, Any]:
+    """``cp_rank_pairs`` (attention (query, key) pairs per CP rank, summed over this rank's micro-batches)
+    and ``cp_pair_imbalance`` (max / mean) of the CP layout; nothing without context parallel."""
+    if cp == 1:
+        return {}
+    from megatron_tree.context_parallel import CP_CHUNKS, context_parallel_layout
+
+    total = np.zeros(cp)
+    for mb in mbs:
+        padded = mb.padded_to(-(-mb.num_slots // (cp * CP_CHUNKS)) * cp * CP_CHUNKS)
+        total += context_parallel_layout(padded.position_ids, padded.num_tokens, cp)[1]
+    return dict(cp_rank_pairs=[int(x) for x in total], cp_pair_imbalance=float(total.max() / total.mean()))
 
 
 def _why_not_dir(directory: str, error: OSError) -> str:
