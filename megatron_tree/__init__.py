@@ -12,6 +12,7 @@ first used.
 from importlib import import_module
 
 from megatron_tree.balance import balance_across_ranks
+from megatron_tree.context_parallel import ContextParallelShard, shard_micro_batch
 from megatron_tree.logprobs import gather_tree_logprobs
 from megatron_tree.metrics import BalanceStats, PackingStats
 from megatron_tree.microbatch import TreeMicroBatch
@@ -34,6 +35,7 @@ _MEGATRON_ADAPTERS = {
 
 __all__ = [
     "BalanceStats",
+    "ContextParallelShard",
     "MicroBatchSpec",
     "PackingStats",
     "TokenForest",
@@ -44,6 +46,7 @@ __all__ = [
     "gather_tree_scores",
     "gather_tree_values",
     "pack_trees",
+    "shard_micro_batch",
     *_MEGATRON_ADAPTERS,
 ]
 
