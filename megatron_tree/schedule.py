@@ -121,19 +121,35 @@ def tree_forward_step(
         check_tree_model(model)  # walks each chunk once
         mb, shard = item if isinstance(item, tuple) else (item, None)
         moe = bool(get_model_config(model).num_moe_experts)
+        # Logits stay in the model's precision (bf16): the log-prob kernel reads them in fp32 math, and
+        # Megatron's fp32 copy of [T, V] would only cost memory (the values are the same bf16 numbers).
+        kwargs = {"fp32_output": False} if head == "logprobs" and _half_precision(model) else {}
         if shard is None:
             # MoE routers weigh each slot by the sequences through it (megatron_tree.router_stats).
             padding_mask = tree_padding_mask(mb) if moe else None
-            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask)
+            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask, **kwargs)
         else:  # router statistics are refused under CP: the mask only marks padding
             padding_mask = shard.multiplicity == 0 if moe else None
-            output = model(shard.input_ids, shard.position_ids, shard.attention_mask, padding_mask=padding_mask)
+            output = model(shard.input_ids, shard.position_ids, shard.attention_mask, padding_mask=padding_mask,
+                           **kwargs)  # fmt: skip
         return output, tree_loss_func(
             loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
             shard=shard, cp_group=cp_group,
         )  # fmt: skip
 
     return forward_step
+
+
+def _half_precision(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a wrapper inside it, e.g. under DDP) is megatron-core's ``Float16Module``,
+    whose ``forward`` takes ``fp32_output``."""
+    from megatron.core.transformer.module import Float16Module
+
+    while not isinstance(model, Float16Module):
+        if not isinstance(getattr(model, "module", None), torch.nn.Module):
+            return False
+        model = model.module
+    return True
 
 
 def thd_schedule_inputs(

@@ -160,7 +160,7 @@ def test_layers_must_split_over_pipeline_stages():
         (["--steps", "0"], "train.steps (--steps) must be an int >= 1, got 0"),
         (["--hf-path", "/nonexistent"], "model.hf_path (--hf-path) '/nonexistent' is not a Hugging Face checkpoint"),
         (["--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
-        (["--tp", "2"], "world size 1 is not divisible by tp * pp = 2 * 1"),
+        (["--tp", "2"], "world size 1 is not divisible by tp * pp * cp = 2 * 1 * 1"),
         (["--save", "/proc/no/such/dir"], "checkpoint.save '/proc/no/such/dir': cannot create the directory"),
         (["--load", "/proc"], "--load '/proc': neither a checkpoint nor a directory with latest_checkpointed_iteration"),
         pytest.param(["--bf16"], "train.bf16 (--bf16) needs a CUDA GPU", marks=pytest.mark.skipif(

@@ -210,3 +210,22 @@ def test_gpu_upstream_model_is_named_and_tree_model_verifies(megatron_cpu):
         assert "TEDotProductAttention" in str(e.value)
     for bf16 in (False, True):
         print(verify_tree_model(build(megatron_cpu, bf16=bf16)))
+
+
+def test_bf16_model_logits_stay_bf16_with_the_same_logprobs(megatron_cpu, mbs, monkeypatch):
+    """The tree forward step asks megatron's Float16Module for bf16 logits (no fp32 [T, V] copy); the
+    log-probs are bit-identical to those from its fp32 copy (the values are the same bf16 numbers)."""
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_tree import schedule
+    from megatron_tree.forward_only import tree_forward_only
+
+    model = build(megatron_cpu, bf16=True)
+    assert isinstance(model, Float16Module)
+    dtypes = []
+    model.register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+    kept = tree_forward_only(model, mbs)
+    monkeypatch.setattr(schedule, "_half_precision", lambda m: False)
+    upcast = tree_forward_only(model, mbs)
+    assert set(dtypes[: len(mbs)]) == {torch.bfloat16} and set(dtypes[len(mbs) :]) == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(kept, upcast, strict=True))
