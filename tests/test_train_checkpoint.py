@@ -44,9 +44,10 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, rollouts):
     assert len({r["loss"] for r in full}) == 5  # the model moves: equality is not trivial
 
 
-def test_resume_with_interleaved_pipeline_parallel(tmp_path):
-    """The README's PP=2 x VPP=2 command with checkpoints every 2 steps, resumed from the latest."""
-    common = ["--config", "configs/tiny_qwen3_4layers.yaml", "--pp", "2", "--vpp", "2", "--steps", "4",
+@pytest.mark.parametrize("parallel", [["--pp", "2", "--vpp", "2"], ["--cp", "2"]], ids=["pp2-vpp2", "cp2"])
+def test_resume_with_model_parallel(tmp_path, parallel):
+    """The README's PP=2 x VPP=2 command (and CP=2) with checkpoints every 2 steps, resumed from the latest."""
+    common = ["--config", "configs/tiny_qwen3_4layers.yaml", *parallel, "--steps", "4",
               "--no-progress", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     run_torchrun(LAUNCHER, 2, [*common, "--log-jsonl", str(tmp_path / "full.jsonl")], timeout=600)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
