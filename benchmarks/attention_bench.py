@@ -12,12 +12,16 @@ head dim 128, batch 1. Methods, each timed forward and forward + backward with C
                 time is reported apart, with ``create_block_mask`` over the mask_mod for scale)
   dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
   causal_flash  SDPA flash backend, causal over all T slots (the per-pair reference)
-  causal_cudnn  SDPA cuDNN backend, causal over all T slots (for information)
+  causal_cudnn  SDPA cuDNN backend, causal over all T slots
   flat_varlen   every original sequence causal on its own, packed varlen
                 (``torch.nn.attention.varlen``); flex with a document mask if that fails
+  flat_te_thd   the same flat sequences through Transformer Engine's cuDNN fused attention in THD
+                (what Megatron's sequence packing runs; needs TE)
 
 Per-pair efficiency of a method = (its useful (query, key) pairs / its time) over the same
-ratio for causal flash on T slots. Useful pairs: visible pairs of the tree mask for
+ratio for causal flash on T slots (``per_pair_efficiency_vs_causal_flash``), and over the best
+ratio of the dense kernels (causal flash / cuDNN, flat varlen / TE THD) on the workload
+(``per_pair_efficiency_vs_fastest``, ``fastest_dense``). Useful pairs: visible pairs of the tree mask for
 flex_tree and dense_sdpa, sum of L(L+1)/2 over sequences for flat, T(T+1)/2 for causal.
 Also: relative errors (vs float64) of flex_tree in fp32 and bf16 next to dense SDPA in
 bf16, and flex variants (block sizes, kernel options) on the GRPO workload; a variant the
@@ -248,6 +252,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         except RuntimeError as exc:
             row[f"{method}_error"] = str(exc).splitlines()[0]
     times.update(bench_flat(mb.seq_lens, row, args, dev, gen))
+    times.update(bench_te_thd(mb.seq_lens, args, dev, gen))
     row["times"] = times
     pairs = {"flex_tree": row["tree_pairs"], "dense_sdpa": row["tree_pairs"], "causal_flash": row["causal_pairs"],
              "causal_cudnn": row["causal_pairs"]}
@@ -256,7 +261,37 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
     row["per_pair_efficiency_vs_causal_flash"] = {
         m: pairs[m] / tm["fwd_bwd_ms"] / ref for m, tm in times.items()
     }
+    dense = {m: pairs[m] / times[m]["fwd_bwd_ms"] for m in DENSE_KERNELS if m in times}
+    row["fastest_dense"] = max(dense, key=dense.get)
+    row["per_pair_efficiency_vs_fastest"] = {
+        m: pairs[m] / tm["fwd_bwd_ms"] / dense[row["fastest_dense"]] for m, tm in times.items()
+    }
     return row
+
+
+DENSE_KERNELS = ("causal_flash", "causal_cudnn", "flat_varlen", "flat_te_thd")
+"""The dense kernels a tree kernel is measured against (per useful pair, forward + backward)."""
+
+
+def bench_te_thd(seq_lens, args, dev, gen) -> dict:
+    """The flat sequences through TE's cuDNN fused attention, THD (Megatron's packed sequences); {} without TE."""
+    from megatron_tree.config_overrides import have_transformer_engine
+
+    if not have_transformer_engine():
+        return {}
+    from megatron_tree.chain_attention import te_chain_attention
+
+    n = sum(seq_lens)
+    bf16 = torch.bfloat16
+    q = leaf((1, HEADS, n, HEAD_DIM), bf16, dev, gen)
+    k, v = (leaf((1, KV_HEADS, n, HEAD_DIM), bf16, dev, gen) for _ in range(2))
+    g = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=dev)
+    scale = HEAD_DIM**-0.5
+    out = {"flat_te_thd": time_fwd_bwd(lambda q, k, v: te_chain_attention(q, k, v, cu, max(seq_lens), scale=scale),
+                                       [q, k, v], g, args)}  # fmt: skip
+    print(f"  flat_te_thd {out['flat_te_thd']}", flush=True)
+    return out
 
 
 def bench_flat(seq_lens, row, args, dev, gen) -> dict:
@@ -355,7 +390,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["workloads"]
-    methods = ["flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "flat_varlen", "flat_flex_doc"]
+    methods = ["flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "flat_varlen", "flat_flex_doc", "flat_te_thd"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
@@ -363,10 +398,10 @@ def plot(result: dict, path: str) -> None:
         if not xs:
             continue
         ms = [rows[j]["times"][m]["fwd_bwd_ms"] for j in xs]
-        eff = [rows[j]["per_pair_efficiency_vs_causal_flash"][m] for j in xs]
+        eff = [rows[j]["per_pair_efficiency_vs_fastest"][m] for j in xs]
         axes[0].bar([x + i * width for x in xs], ms, width, label=m)
         axes[1].bar([x + i * width for x in xs], eff, width, label=m)
-    for ax, title in zip(axes, ("fwd+bwd time (ms, log)", "useful pairs / s vs causal flash")):
+    for ax, title in zip(axes, ("fwd+bwd time (ms, log)", "useful pairs / s vs the fastest dense kernel")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
         ax.set_xticklabels([f"{r['workload']}\nT={r['slots']}, uniq={r['unique_tokens']}" for r in rows])
         ax.set_title(title)
@@ -399,6 +434,10 @@ def main():
         "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "batch": 1,
                    "warmup": args.warmup, "iters": args.iters},
     }
+    from megatron_tree.config_overrides import have_transformer_engine
+
+    # TE loads the system cuDNN; import it before SDPA's cuDNN backend loads torch's own copy.
+    have_transformer_engine()
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, f"attention_{args.tag}.json")
     result["accuracy"] = accuracy(dev, gen)
@@ -414,11 +453,13 @@ def main():
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, f"attention_{args.tag}.png"))
-    print(f"\n{'workload':11s} {'method':14s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'pairs/s vs causal':>17s}")
+    print(f"\n{'workload':11s} {'method':14s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'pairs/s vs flash':>16s} "
+          f"{'vs fastest':>10s}")
     for r in result["workloads"]:
         for m, tm in r["times"].items():
-            eff = r["per_pair_efficiency_vs_causal_flash"][m]
-            print(f"{r['workload']:11s} {m:14s} {tm['fwd_ms']:8.2f} {tm['fwd_bwd_ms']:10.2f} {eff:17.2f}")
+            eff, best = r["per_pair_efficiency_vs_causal_flash"][m], r["per_pair_efficiency_vs_fastest"][m]
+            print(f"{r['workload']:11s} {m:14s} {tm['fwd_ms']:8.2f} {tm['fwd_bwd_ms']:10.2f} {eff:16.2f} {best:10.2f}")
+        print(f"{r['workload']:11s} fastest dense kernel: {r['fastest_dense']}")
         print(f"{r['workload']:11s} block mask build {r['block_mask_build_ms']:.2f} ms "
               f"(create_block_mask {r['create_block_mask_ms']:.2f} ms)")
 
