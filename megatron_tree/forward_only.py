@@ -2,12 +2,13 @@
 values, reward scores.
 
 :func:`tree_forward_only` runs tree micro-batches through megatron-core's schedule
-(``forward_only``, ``collect_non_loss_data``: PP, VPP, TP, EP, DP as in training) under
+(``forward_only``, ``collect_non_loss_data``: PP, VPP, TP, EP, DP, CP as in training) under
 ``torch.no_grad``, and returns per-sequence results in the caller's sequence order (the ids
 ``pack_trees`` gave: ``mb.sequence_ids`` index the sequences passed to it) on every rank of
 the pipeline. The last pipeline stage computes them; one broadcast over the pipeline group
 hands them to the other stages. Tensor-parallel ranks compute identical results. Each
-data-parallel rank gets the results of its own sequences.
+data-parallel rank gets the results of its own sequences; context-parallel ranks all get the
+whole micro-batches' results.
 
 Memory is O(tokens): log-probs go through the chunked vocab-parallel gather, values and
 scores read one number per slot.
