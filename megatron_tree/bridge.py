@@ -60,6 +60,22 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
         yield
 
 
+def _check_upstream_context_parallel() -> None:
+    """Refuse an upstream model under context parallel without Transformer Engine: megatron-core's
+    own attention has no context parallel (it would assert deep inside the model build)."""
+    from megatron.core import parallel_state
+
+    from megatron_tree.config_overrides import have_transformer_engine
+
+    cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    if cp > 1 and not have_transformer_engine():
+        raise ValueError(
+            f"the upstream model (tree=False) cannot run under context parallel size {cp} without Transformer "
+            f"Engine: megatron-core's own attention has no context parallel. Build the tree model (tree=True; for a "
+            f"flat baseline pack with share_prefixes=False) or use context_parallel_size=1"
+        )
+
+
 def build_tree_model(
     hf_path: str | os.PathLike,
     *,
@@ -105,6 +121,8 @@ def build_tree_model(
             f"no Hugging Face checkpoint directory at {path!r} (a local path that does not exist); pass the directory "
             f"holding config.json (and the weights), or a Hub repo id"
         )
+    if not tree:
+        _check_upstream_context_parallel()
     with apply_compat_patches(), patch_bridge_for_tree_training(enable=tree, backend=backend):
         from mbridge import AutoBridge
 

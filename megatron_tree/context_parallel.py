@@ -178,6 +178,11 @@ def shard_micro_batch(mb: TreeMicroBatch, cp: int, rank: int) -> ContextParallel
     )
 
 
+# torch >= 2.13 names them *_single (the *_tensor names warn); older torch has only the latter.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _GatherSlots(torch.autograd.Function):
     """[s, ...] per rank -> [cp * s, ...] in rank order; backward: reduce-scatter of the gradient."""
 
@@ -186,14 +191,14 @@ class _GatherSlots(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        _all_gather(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        _reduce_scatter(out, grad, group=ctx.group)
         return out, None
 
 

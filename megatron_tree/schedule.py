@@ -299,19 +299,23 @@ def _all_reduce_max(values: list[int], device: torch.device) -> list[int]:
 
 
 def _check_same_across_context_parallel(mbs: Sequence[TreeMicroBatch], device: torch.device) -> None:
-    """Raise unless every context-parallel rank holds the same micro-batches (counts, slots, sequences,
-    token ids); one MAX all-reduce over the CP group."""
-    mine = [len(mbs), sum(mb.num_slots for mb in mbs), sum(len(mb.sequence_ids) for mb in mbs),
-            sum(int(mb.input_ids.sum()) for mb in mbs)]  # fmt: skip
+    """Raise unless every context-parallel rank holds the same micro-batches: their count, slots and
+    sequences, and a fingerprint of their token ids and trees (position-weighted sums); one MAX
+    all-reduce over the CP group."""
+    mine = [len(mbs), sum(mb.num_slots for mb in mbs), sum(len(mb.sequence_ids) for mb in mbs), 0, 0]
+    for k, mb in enumerate(mbs):
+        weights = (torch.arange(mb.num_slots, dtype=torch.int64) * 40503 + 7919 * (k + 1)) % 65521
+        mine[3] += int((mb.input_ids[0].to("cpu", torch.int64) * weights).sum())
+        mine[4] += int((mb.attention_mask[0].to("cpu", torch.int64) * weights).sum())
     t = torch.tensor(mine + [-v for v in mine], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
-    most, neg_least = t[: len(mine)].tolist(), t[len(mine) :].tolist()
-    if most != [-v for v in neg_least]:
+    most, least = t[: len(mine)].tolist(), [-v for v in t[len(mine) :].tolist()]
+    if most != least:
         raise ValueError(
-            f"context-parallel ranks hold different micro-batches (micro-batches, slots, sequences, token-id sum: "
-            f"this rank {mine}, largest {most}): every rank of a context-parallel group must pass the same "
-            f"micro-batches (the same data as its data-parallel rank; pack with "
-            f"dp_group=parallel_state.get_data_parallel_group())"
+            f"context-parallel ranks hold different micro-batches (micro-batches, slots, sequences, token and tree "
+            f"fingerprints: this rank {mine}, smallest in the group {least}, largest {most}): every rank of a "
+            f"context-parallel group must pass the same micro-batches (the same data as its data-parallel rank; "
+            f"pack with dp_group=parallel_state.get_data_parallel_group())"
         )
 
 

@@ -58,6 +58,12 @@ def cp_errors(args, tree_forward_backward) -> None:
     mbs = pack_trees([rng.integers(0, 100, 20) for _ in range(3)], MicroBatchSpec(max_tokens_per_mb=48))
     expect(lambda: tree_forward_backward(model, mbs, lambda lp, mb: (-lp.sum(), lp.numel())),
            "context-parallel ranks hold different micro-batches")
+    # A subtle difference (two tokens swapped on one rank) is caught too.
+    same = pack_trees([np.arange(10, 30), np.arange(10, 25)], MicroBatchSpec(max_tokens_per_mb=48))
+    swapped = pack_trees([np.r_[np.arange(10, 28), 29, 28], np.arange(10, 25)], MicroBatchSpec(max_tokens_per_mb=48))
+    expect(lambda: tree_forward_backward(model, swapped if dist.get_rank() else same, lambda lp, mb: (-lp.sum(), lp.numel())),
+           "context-parallel ranks hold different micro-batches")
+    expect(lambda: build_tree_model(path, tree=False), "megatron-core's own attention has no context parallel")
     moe = save_tiny_hf_checkpoint("qwen3_moe", args.ckpt + "_moe", num_hidden_layers=2)
     expect(lambda: build_tree_model(moe, extra_args=dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.5)),
            "context_parallel_size=1")
