@@ -41,20 +41,6 @@ def long_conversation(rng: np.random.Generator, slots: int, vocab: int) -> list[
                             fork_prob=0.25, system_len=max(1, slots // 20), vocab=vocab)  # fmt: skip
 
 
-def init(cuda: bool, cp: int) -> None:
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_tree.testing import init_cpu_distributed
-
-    if not cuda:
-        init_cpu_distributed(cp=cp)
-        return
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.distributed.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(context_parallel_size=cp)
-    tensor_parallel.model_parallel_cuda_manual_seed(1)
-
-
 def run_size(model, optimizer, cfg, slots: int, cp: int, args, cuda: bool) -> dict:
     from megatron_tree.schedule import tree_forward_backward
 
@@ -133,11 +119,13 @@ def main():
 
     from megatron_tree.patches import apply_compat_patches
     from megatron_tree.testing import cpu_mode, save_hf_config
+    from megatron_tree.train.config import ParallelConfig
+    from megatron_tree.train.trainer import init_distributed
 
     cuda = torch.cuda.is_available()
     cp = int(os.environ.get("WORLD_SIZE", 1))
     with apply_compat_patches(), cpu_mode():
-        init(cuda, cp)
+        init_distributed(ParallelConfig(cp=cp), seed=1, cuda=cuda)
         arch, overrides = MODELS[args.model]
         ckpt = os.path.join(tempfile.gettempdir(), f"cp_bench_{args.model}")
         save_hf_config(arch, ckpt, **overrides)  # rank 0 writes, then a barrier

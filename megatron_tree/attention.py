@@ -272,7 +272,7 @@ class _PreparedMaskCache:
 
 def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor, rank: int, size: int) -> tuple:
     """``(backend.prepare(subtree_end, this rank's query slots), inverse)`` from the CP mask ``[1, 2T]``
-    (validated: the slot order is a permutation of ``0..T-1``; one host sync)."""
+    (validated: the subtree ends, and the slot order is a permutation of ``0..T-1``; two host syncs)."""
     t = mask.shape[1] // 2
     order, subtree_end = mask[0, :t].long(), mask[:, t:]
     check_subtree_end_values(subtree_end)

@@ -29,20 +29,19 @@ import torch.distributed as dist
 from megatron_tree import BalanceStats, MicroBatchSpec, PackingStats, balance_across_ranks, pack_trees
 from megatron_tree.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
-from megatron_tree.train.config import RunConfig, TrainConfig
+from megatron_tree.train.config import ParallelConfig, RunConfig, TrainConfig
 from megatron_tree.train.data import RolloutBatch, open_rollout_source
 
 
-def init_distributed(cfg: RunConfig, cuda: bool) -> None:
+def init_distributed(p: ParallelConfig, seed: int, cuda: bool) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPUs; joins torchrun's job when launched by it)
-    and megatron-core's model-parallel groups, RNG tracker seeded with ``train.seed + 1``."""
+    and megatron-core's model-parallel groups of sizes ``p``, RNG tracker seeded with ``seed``."""
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_tree.testing import init_cpu_distributed
 
-    p = cfg.parallel
     if not cuda:
-        init_cpu_distributed(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, cp=p.cp, seed=cfg.train.seed + 1)
+        init_cpu_distributed(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, cp=p.cp, seed=seed)
         return
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
@@ -62,7 +61,7 @@ def init_distributed(cfg: RunConfig, cuda: bool) -> None:
         expert_model_parallel_size=p.ep,
         context_parallel_size=p.cp,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed + 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
@@ -217,7 +216,9 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
 
 def _context_parallel_balance(mbs, cp: int) -> dict[str, Any]:
     """``cp_rank_pairs`` (attention (query, key) pairs per CP rank, summed over this rank's micro-batches)
-    and ``cp_pair_imbalance`` (max / mean) of the CP layout; nothing without context parallel."""
+    and ``cp_pair_imbalance`` (max / mean) of the CP layout; nothing without context parallel. Computed here
+    from each micro-batch padded to a multiple of ``cp * CP_CHUNKS`` slots: where the schedule pads further
+    (sequence parallel, one length for pipeline stages) its chunks, and so its balance, can differ slightly."""
     if cp == 1:
         return {}
     from megatron_tree.context_parallel import CP_CHUNKS, context_parallel_layout
@@ -277,7 +278,7 @@ class Trainer:
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        init_distributed(cfg, self.cuda)
+        init_distributed(cfg.parallel, cfg.train.seed + 1, self.cuda)
         self.rank = dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
