@@ -2,17 +2,23 @@
 
     PYTHONUNBUFFERED=1 python benchmarks/attention_bench.py --out benchmarks/results
 
-Workloads (built with the real packer, ``pack_trees``, one micro-batch of T = 32768 slots
-each, the fullest one): GRPO-like (prompts 1-4k, 8-16 samples, responses 0.2-2k),
-multi-turn agent trajectories, and a no-sharing batch. bf16, 16 query heads, 8 KV heads,
+Workloads (built with the real packer, ``pack_trees``, the fullest micro-batch): GRPO-like
+(prompts 1-4k, 8-16 samples, responses 0.2-2k), multi-turn agent trajectories and a no-sharing
+batch at T = 32768 slots; long agentic trajectories (``long_multi_turn``: 4k system prompt,
+24-32 turns of 1-3k tokens, trajectories of 30k-100k tokens) at T = 131072 slots, where the flat
+and dense-mask methods are skipped (millions of flat tokens; a [T, T] mask). bf16, 16 query heads, 8 KV heads,
 head dim 128, batch 1. Methods, each timed forward and forward + backward with CUDA events
 (median of ``--iters`` after ``--warmup``):
 
   flex_tree     ``flex_tree_attention`` over the T slots (block mask built once; its build
                 time is reported apart, with ``create_block_mask`` over the mask_mod for scale)
+  fa4_tree      ``fa4_tree_attention``: FlashAttention-4's block-sparse CuTe kernels over the same
+                tiles (needs flash-attn-4 and a Hopper/Blackwell GPU; its block tables' build time
+                is reported apart, ``fa4_mask_build_ms``, once per micro-batch for all layers)
   dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
   causal_flash  SDPA flash backend, causal over all T slots (the per-pair reference)
   causal_cudnn  SDPA cuDNN backend, causal over all T slots
+  causal_fa4    FlashAttention-4 (``flash_attn.cute.flash_attn_func``), causal over all T slots
   flat_varlen   every original sequence causal on its own, packed varlen
                 (``torch.nn.attention.varlen``); flex with a document mask if that fails
   flat_te_thd   the same flat sequences through Transformer Engine's cuDNN fused attention in THD
@@ -45,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.fa4_attention import fa4_available, fa4_tree_attention, fa4_tree_mask
 from megatron_tree.flex_attention import classify_blocks, flex_tree_attention, padded_length, tree_block_mask
 from megatron_tree.masks import dense_tree_mask
 from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
@@ -93,7 +100,14 @@ def workloads(seed: int) -> dict[str, list[np.ndarray]]:
             rng, n_conversations=8, turns=(8, 24), turn_len=(50, 400), fork_prob=0.2, system_len=1500, vocab=150000
         ),
         "no_sharing": no_sharing_batch(rng, n=64, length=(200, 2000), vocab=150000),
+        "long_multi_turn": multi_turn_batch(
+            rng, n_conversations=2, turns=(24, 32), turn_len=(1000, 3000), fork_prob=0.2, system_len=4000, vocab=150000
+        ),
     }
+
+
+LONG_WORKLOADS = {"long_multi_turn": 131072}
+"""Workloads run at more slots than ``SLOTS``, without the flat and dense-mask methods."""
 
 
 def fullest_micro_batch(seqs: list[np.ndarray], slots: int):
@@ -208,7 +222,8 @@ def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:
 
 
 def bench_workload(name, seqs, args, dev, gen) -> dict:
-    mb = fullest_micro_batch(seqs, SLOTS)
+    long = name in LONG_WORKLOADS
+    mb = fullest_micro_batch(seqs, LONG_WORKLOADS.get(name, SLOTS))
     end = mb.attention_mask[0].to(device=dev, dtype=torch.int32)
     t = end.shape[0]
     row = {
@@ -229,7 +244,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
 
     row["block_mask_build_ms"] = wall_time(lambda: tree_block_mask(end.clone()), 3, args.iters)
     end_long = end.long()
-    row["create_block_mask_ms"] = wall_time(
+    row["create_block_mask_ms"] = None if long else wall_time(
         lambda: create_block_mask(
             lambda b, h, qi, ki: (ki <= qi) & (qi < end_long[ki]), None, None, t, t, device=dev, BLOCK_SIZE=128
         ),
@@ -240,7 +255,20 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
     print(f"[{name}] T={t} unique={mb.num_tokens} original={mb.num_original_tokens}", flush=True)
     times["flex_tree"] = time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, end), [q, k, v], g, args)
     print(f"  flex_tree {times['flex_tree']}", flush=True)
-    if not args.skip_dense:
+    if fa4_available():
+        from flash_attn.cute.interface import flash_attn_func
+
+        row["fa4_mask_build_ms"] = wall_time(lambda: fa4_tree_mask(end.clone()), 3, args.iters)
+        prepared = fa4_tree_mask(end)
+        times["fa4_tree"] = time_fwd_bwd(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), [q, k, v], g, args)
+        print(f"  fa4_tree {times['fa4_tree']} (mask build {row['fa4_mask_build_ms']:.2f} ms)", flush=True)
+
+        def causal_fa4(q, k, v):
+            return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)[0].transpose(1, 2)
+
+        times["causal_fa4"] = time_fwd_bwd(causal_fa4, [q, k, v], g, args)
+        print(f"  causal_fa4 {times['causal_fa4']}", flush=True)
+    if not args.skip_dense and not long:
         mask = dense_tree_mask(end)
         times["dense_sdpa"] = time_fwd_bwd(sdpa_gqa(SDPBackend.EFFICIENT_ATTENTION, attn_mask=mask), [q, k, v], g, args)
         print(f"  dense_sdpa {times['dense_sdpa']}", flush=True)
@@ -251,11 +279,12 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
             print(f"  {method} {times[method]}", flush=True)
         except RuntimeError as exc:
             row[f"{method}_error"] = str(exc).splitlines()[0]
-    times.update(bench_flat(mb.seq_lens, row, args, dev, gen))
-    times.update(bench_te_thd(mb.seq_lens, args, dev, gen))
+    if not long:
+        times.update(bench_flat(mb.seq_lens, row, args, dev, gen))
+        times.update(bench_te_thd(mb.seq_lens, args, dev, gen))
     row["times"] = times
-    pairs = {"flex_tree": row["tree_pairs"], "dense_sdpa": row["tree_pairs"], "causal_flash": row["causal_pairs"],
-             "causal_cudnn": row["causal_pairs"]}
+    pairs = {"flex_tree": row["tree_pairs"], "dense_sdpa": row["tree_pairs"], "fa4_tree": row["tree_pairs"],
+             "causal_flash": row["causal_pairs"], "causal_cudnn": row["causal_pairs"], "causal_fa4": row["causal_pairs"]}
     pairs.update({m: row["flat_pairs"] for m in times if m.startswith("flat")})
     ref = row["causal_pairs"] / times["causal_flash"]["fwd_bwd_ms"]
     row["per_pair_efficiency_vs_causal_flash"] = {
@@ -269,7 +298,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
     return row
 
 
-DENSE_KERNELS = ("causal_flash", "causal_cudnn", "flat_varlen", "flat_te_thd")
+DENSE_KERNELS = ("causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen", "flat_te_thd")
 """The dense kernels a tree kernel is measured against (per useful pair, forward + backward)."""
 
 
@@ -378,8 +407,12 @@ def accuracy(dev, gen) -> dict:
     def err(xs):
         return {n: ((x.double() - r).norm() / r.norm()).item() for n, x, r in zip(("out", "dq", "dk", "dv"), xs, ref)}
 
-    return {"slots": t, "flex_fp32": err(run(flex, torch.float32)), "flex_bf16": err(run(flex, torch.bfloat16)),
-            "dense_bf16": err(run(dense, torch.bfloat16))}
+    result = {"slots": t, "flex_fp32": err(run(flex, torch.float32)), "flex_bf16": err(run(flex, torch.bfloat16)),
+              "dense_bf16": err(run(dense, torch.bfloat16))}
+    if fa4_available():
+        prepared = fa4_tree_mask(end)
+        result["fa4_bf16"] = err(run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), torch.bfloat16))
+    return result
 
 
 def plot(result: dict, path: str) -> None:
@@ -390,7 +423,8 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["workloads"]
-    methods = ["flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "flat_varlen", "flat_flex_doc", "flat_te_thd"]
+    methods = ["fa4_tree", "flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen",
+               "flat_flex_doc", "flat_te_thd"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
@@ -420,7 +454,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workloads", nargs="*", default=["grpo", "multi_turn", "no_sharing"])
+    ap.add_argument("--workloads", nargs="*", default=["grpo", "multi_turn", "no_sharing", "long_multi_turn"])
     ap.add_argument("--variants", nargs="*", default=[n for n in VARIANTS if n != "bs128"], choices=list(VARIANTS))
     ap.add_argument("--skip-dense", action="store_true", help="skip SDPA with the dense [T, T] mask")
     args = ap.parse_args()
@@ -460,8 +494,9 @@ def main():
             eff, best = r["per_pair_efficiency_vs_causal_flash"][m], r["per_pair_efficiency_vs_fastest"][m]
             print(f"{r['workload']:11s} {m:14s} {tm['fwd_ms']:8.2f} {tm['fwd_bwd_ms']:10.2f} {eff:16.2f} {best:10.2f}")
         print(f"{r['workload']:11s} fastest dense kernel: {r['fastest_dense']}")
-        print(f"{r['workload']:11s} block mask build {r['block_mask_build_ms']:.2f} ms "
-              f"(create_block_mask {r['create_block_mask_ms']:.2f} ms)")
+        print(f"{r['workload']:11s} block mask build: flex {r['block_mask_build_ms']:.2f} ms, "
+              f"fa4 {r.get('fa4_mask_build_ms') or float('nan'):.2f} ms, create_block_mask "
+              f"{r['create_block_mask_ms'] or float('nan'):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,172 @@
+"""Tree attention through FlashAttention-4's CuTe DSL kernels, block-sparse over the tree (Hopper, Blackwell).
+
+Shape legend: b = batch (1), h = query heads, hkv = key/value heads (h % hkv == 0), T = slots,
+Tq = query rows (T, or a context-parallel rank's share), d = head dim, nq / nk = 128-slot query /
+key blocks (``ceil(Tq / 128)``, ``ceil(T / 128)``).
+
+Mask (the interval encoding, :mod:`megatron_tree.masks`): key j is visible to query i iff
+``j <= i < subtree_end[j]``. The kernels are the ``flash-attn-4`` package's (``flash_attn.cute``,
+pinned to :data:`FA4_VERSION`: its block-sparse interface is still moving): warp-specialised,
+TMA-fed wgmma (Hopper) / tcgen05 (Blackwell) forward and backward that visit only the tiles the
+block tables list. The tables are :func:`megatron_tree.flex_attention.classify_blocks`' (exact:
+"full" tiles skip the mask, "partial" tiles evaluate it per element, empty tiles are never loaded),
+in both directions: query block -> key blocks for the forward and dQ, key block -> query blocks
+for dK / dV. The per-element mask is a CuTe ``mask_mod`` reading ``subtree_end`` (and, under
+context parallel, each query row's slot) from global memory.
+
+No padding of q / k / v: the kernels mask the ragged last tile; only ``subtree_end`` (and the
+query slots) are padded to a multiple of 128 so the mask never reads past them. Kernels are
+compiled on first use per (dtype, head layout, mask kind) and reused for every length.
+
+bf16 / fp16 only (the kernels have no fp32 path): fp32 runs take ``"flex"`` or ``"dense"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tree.flex_attention import _check_qkv, _check_subtree_end, _ordered_tables, classify_blocks
+
+__all__ = ["FA4_VERSION", "FA4TreeMask", "fa4_available", "fa4_tree_attention", "fa4_tree_mask"]
+
+FA4_VERSION = "4.0.0b36"
+"""The ``flash-attn-4`` release this module is written and tested against (``pip install flash-attn-4==4.0.0b36``)."""
+
+BLOCK = 128
+"""Sparse block size (query and key): the Hopper forward tile and twice the backward's query tile."""
+
+
+@functools.cache
+def _fa4_import_error() -> str | None:
+    """None when ``flash_attn.cute`` of :data:`FA4_VERSION` imports, else why not."""
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return f"flash-attn-4 is not installed (pip install flash-attn-4=={FA4_VERSION})"
+    if version != FA4_VERSION:
+        return f"flash-attn-4 {version} is installed; this backend is written for {FA4_VERSION} (pip install flash-attn-4=={FA4_VERSION})"
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as exc:  # a broken CUDA / CuTe DSL install surfaces here
+        return f"flash_attn.cute does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def fa4_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the FA4 backend cannot run on ``device`` (default: the current CUDA device), None if it can."""
+    if not torch.cuda.is_available():
+        return "the FA4 tree attention backend needs a CUDA GPU"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in (9, 10):
+        return f"the FA4 tree attention backend runs on Hopper (sm90) and Blackwell (sm100); this GPU is sm{major}x"
+    return _fa4_import_error()
+
+
+def fa4_available(device: torch.device | None = None) -> bool:
+    """True when :func:`fa4_tree_attention` runs on ``device``: Hopper/Blackwell and flash-attn-4 :data:`FA4_VERSION`."""
+    return fa4_unavailable_reason(device) is None
+
+
+@functools.cache
+def _mask_mods():
+    """The CuTe ``mask_mod`` s: ``(tree, tree_with_query_slots)``; aux tensors ``[subtree_end]`` / ``[subtree_end, slots]``."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    @cute.jit
+    def tree_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        end = utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]], cutlass.Int32)
+        return (kv_idx <= q_idx) & (q_idx < end)
+
+    @cute.jit
+    def tree_mask_query_slots(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        end = utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]], cutlass.Int32)
+        slot = utils.scalar_to_ssa(aux_tensors[1][q_idx[0]], cutlass.Int32)
+        return (kv_idx <= slot) & (slot < end)
+
+    return tree_mask, tree_mask_query_slots
+
+
+@dataclass(frozen=True)
+class FA4TreeMask:
+    """What the FA4 kernels need for one micro-batch (built once, shared by all layers).
+
+    ``aux``: ``[subtree_end int32 [nk * 128]]`` (+ ``slots int32 [nq * 128]``, -1 = padding row, under
+    context parallel); ``forward`` / ``backward``: ``flash_attn.cute`` ``BlockSparseTensorsTorch``
+    (query -> key blocks, key -> query blocks); ``num_slots`` T, ``num_queries`` Tq.
+    """
+
+    aux: tuple[torch.Tensor, ...]
+    forward: object
+    backward: object
+    num_slots: int
+    num_queries: int
+
+
+def fa4_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FA4TreeMask:
+    """Block tables and mask inputs of the tree mask for the FA4 kernels (no host sync).
+
+    ``subtree_end`` int [T] or [1, T] (``j < subtree_end[j] <= T``, not re-checked here);
+    ``query_slots`` int [Tq] (context parallel) or None (Tq = T, row i is slot i).
+    """
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    end = _check_subtree_end(subtree_end)
+    t = end.shape[0]
+    tk = -(-t // BLOCK) * BLOCK
+    end_padded = torch.cat([end, torch.arange(t + 1, tk + 1, device=end.device, dtype=end.dtype)]).to(torch.int32)
+    slots, tq = None, t
+    if query_slots is not None:
+        tq = query_slots.numel()
+        tqp = -(-tq // BLOCK) * BLOCK
+        slots = torch.cat([query_slots.reshape(-1), query_slots.new_full((tqp - tq,), -1)]).to(torch.int32)
+    partial, full = classify_blocks(end_padded, BLOCK, slots)
+    forward = BlockSparseTensorsTorch(
+        *_ordered_tables(partial), *_ordered_tables(full), block_size=(BLOCK, BLOCK)
+    )
+    backward = BlockSparseTensorsTorch(
+        *_ordered_tables(partial.T.contiguous()), *_ordered_tables(full.T.contiguous()), block_size=(BLOCK, BLOCK)
+    )
+    aux = (end_padded,) if slots is None else (end_padded, slots)
+    return FA4TreeMask(aux, forward, backward, t, tq)
+
+
+def fa4_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: FA4TreeMask,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Tree attention by FlashAttention-4's block-sparse kernels. Differentiable.
+
+    query [1, h, Tq, d], key / value [1, hkv, T, d] (bf16 or fp16, CUDA, h % hkv == 0), ``mask`` from
+    :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, d].
+    """
+    from flash_attn.cute.interface import flash_attn_func
+
+    _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"the FA4 tree attention kernels run bf16/fp16, got {query.dtype}; use backend='flex' or 'dense' for fp32"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"FA4 tree attention takes one micro-batch (b = 1), got b = {query.shape[0]}")
+    tree_mask, tree_mask_query_slots = _mask_mods()
+    out, _ = flash_attn_func(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=softmax_scale,
+        mask_mod=tree_mask if len(mask.aux) == 1 else tree_mask_query_slots,
+        aux_tensors=list(mask.aux),
+        block_sparse_tensors=mask.forward,
+        block_sparse_tensors_bwd=mask.backward,
+    )
+    return out.transpose(1, 2)

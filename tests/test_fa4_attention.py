@@ -1,0 +1,119 @@
+"""FA4 (FlashAttention-4 CuTe) tree attention against the dense reference: Hopper / Blackwell GPUs only.
+
+The kernels run bf16, so exactness is judged the way a dense bf16 kernel is: outputs and gradients
+against the fp32 dense-mask reference on the same bf16 inputs, within twice the error of SDPA's own
+bf16 kernel with the dense tree mask. A wrong mask (one visible pair too many or too few per
+partial tile) moves the output by far more, which the last test checks.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.fa4_attention import fa4_available, fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason
+from megatron_tree.masks import dense_tree_mask
+from megatron_tree.synthetic import grpo_batch, multi_turn_batch
+
+requires_fa4 = pytest.mark.skipif(
+    not torch.cuda.is_available() or not fa4_available(), reason="needs a Hopper/Blackwell GPU and flash-attn-4"
+)
+
+
+def _tree(kind: str, max_tokens: int = 3000) -> torch.Tensor:
+    rng = np.random.default_rng(7)
+    if kind == "grpo":  # siblings after a long shared prompt
+        seqs = grpo_batch(rng, n_prompts=2, samples=(4, 8), prompt_len=(300, 900), response_len=(20, 400), vocab=1000)
+    else:  # deep, branching multi-turn trees with short nodes
+        seqs = multi_turn_batch(rng, n_conversations=3, turns=(4, 10), turn_len=(5, 120), fork_prob=0.4,
+                                system_len=200, vocab=1000)
+    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))[0]
+    return mb.attention_mask[0].cuda()
+
+
+def _run(fn, base, dtype):
+    q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in base[:3])
+    out = fn(q, k, v)
+    out.backward(base[3].to(dtype))
+    return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+
+def _rel(xs, refs):
+    return [((x - r).norm() / r.norm()).item() for x, r in zip(xs, refs)]
+
+
+def _inputs(t, tq, heads, kv_heads, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((1, heads, tq, d), (1, kv_heads, t, d), (1, kv_heads, t, d), (1, heads, tq, d))
+    # bf16-representable values, so the fp32 reference and the bf16 kernels see the same inputs
+    return [torch.randn(s, device="cuda", generator=g).bfloat16().float() for s in shapes]
+
+
+def _dense(mask):
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+@requires_fa4
+@pytest.mark.parametrize("kind", ["grpo", "multi_turn"])
+@pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (8, 8, 64)])
+def test_fa4_matches_dense_reference(kind, heads, kv_heads, d):
+    end = _tree(kind)
+    t = end.shape[0]
+    assert t % 128, "the test wants a ragged last tile"
+    base = _inputs(t, t, heads, kv_heads, d)
+    mask = dense_tree_mask(end)
+    ref = _run(_dense(mask), base, torch.float32)
+    dense_bf16 = _rel(_run(_dense(mask), base, torch.bfloat16), ref)
+    prepared = fa4_tree_mask(end)
+    fa4 = _rel(_run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16), ref)
+    for name, e, e_dense in zip(("out", "dq", "dk", "dv"), fa4, dense_bf16):
+        assert e <= 2 * e_dense + 1e-4, f"{kind} {name}: FA4 rel err {e:.2e} vs dense bf16 {e_dense:.2e}"
+
+
+@requires_fa4
+def test_fa4_query_slots_match_dense_reference():
+    """Context parallel: the rank's queries are a scattered subset of the slots (the mask pads them with -1 rows)."""
+    end = _tree("multi_turn")
+    t = end.shape[0]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    slots = torch.randperm(t, device="cuda", generator=g)[: t // 2]
+    base = _inputs(t, slots.numel(), 16, 8, 128, seed=1)
+    mask = dense_tree_mask(end, slots)
+    ref = _run(_dense(mask), base, torch.float32)
+    dense_bf16 = _rel(_run(_dense(mask), base, torch.bfloat16), ref)
+    prepared = fa4_tree_mask(end, slots)
+    fa4 = _rel(_run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16), ref)
+    for name, e, e_dense in zip(("out", "dq", "dk", "dv"), fa4, dense_bf16):
+        assert e <= 2 * e_dense + 1e-4, f"{name}: FA4 rel err {e:.2e} vs dense bf16 {e_dense:.2e}"
+
+
+@requires_fa4
+def test_fa4_wrong_mask_is_caught():
+    """The comparison can fail: the tree kernel against the reference of a causal mask is far off."""
+    end = _tree("grpo")
+    t = end.shape[0]
+    base = _inputs(t, t, 16, 8, 128, seed=2)
+    causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+    ref = _run(_dense(causal), base, torch.float32)
+    fa4 = _rel(_run(lambda q, k, v: fa4_tree_attention(q, k, v, fa4_tree_mask(end)), base, torch.bfloat16), ref)
+    assert fa4[0] > 0.05
+
+
+@requires_fa4
+def test_fa4_refuses_fp32():
+    end = _tree("grpo")
+    t = end.shape[0]
+    q = torch.randn(1, 4, t, 64, device="cuda")
+    k = torch.randn(1, 4, t, 64, device="cuda")
+    with pytest.raises(TypeError, match="bf16/fp16.*flex"):
+        fa4_tree_attention(q, k, k, fa4_tree_mask(end))
+
+
+def test_fa4_unavailable_reason_is_explicit():
+    reason = fa4_unavailable_reason()
+    if reason is not None:
+        assert "CUDA" in reason or "flash-attn-4" in reason or "sm" in reason or "flash_attn" in reason
