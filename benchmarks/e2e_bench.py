@@ -73,7 +73,10 @@ def workloads(name: str, rng: np.random.Generator, vocab: int, scale: float = 1.
                                 system_len=n(1500), vocab=vocab)
     if name == "no_sharing":
         return no_sharing_batch(rng, n=48, length=(n(500), n(3000)), vocab=vocab)
-    raise ValueError(f"unknown workload {name!r}; choose grpo, multi_turn, no_sharing")
+    if name == "long_multi_turn":  # long agentic trajectories: 4k system prompt, 24-32 turns of 1-3k, up to ~50k each
+        return multi_turn_batch(rng, n_conversations=2, turns=(24, 32), turn_len=(n(1000), n(3000)), fork_prob=0.2,
+                                system_len=n(4000), vocab=vocab)
+    raise ValueError(f"unknown workload {name!r}; choose grpo, multi_turn, no_sharing, long_multi_turn")
 
 
 def flops_per_token_and_pair(cfg) -> tuple[float, float]:
@@ -159,7 +162,7 @@ def init_one_process(cuda: bool) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(1)
 
 
-def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool):
+def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool, backend: str = "auto"):
     """``(model chunks, optimizer)``: the model Megatron initialises from the HF config at ``path``
     (tree attention or upstream), wrapped in DDP, with Adam."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -167,7 +170,7 @@ def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool):
     from megatron_tree.bridge import build_tree_model
 
     _, model = build_tree_model(
-        path, tree=tree, bf16=bf16, recompute=recompute, load_weights=False, wrap_with_ddp=True,
+        path, tree=tree, bf16=bf16, recompute=recompute, load_weights=False, wrap_with_ddp=True, backend=backend,
         ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
     )
     # megatron-core's gradient clipping asserts CUDA tensors: clip on GPUs only.
@@ -196,6 +199,8 @@ def main():
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="add one profiled step per mode: kernel time by category, logprobs, optimizer, idle")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke runs)")
+    ap.add_argument("--attention-backend", default="auto", help="tree attention backend of the tree steps")
+    ap.add_argument("--modes", default="flat,tree", help="which of flat,tree to run")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -227,13 +232,15 @@ def main():
         for i, name in enumerate(args.workloads.split(",")):
             seqs = workloads(name, np.random.default_rng(0), vocab, args.scale)
             row = rows.setdefault(name, workload_row(args, name, seqs, per_token, per_pair, baseline))
-            for mode in ("flat", "tree") if i % 2 == 0 else ("tree", "flat"):
+            modes = [m for m in (("flat", "tree") if i % 2 == 0 else ("tree", "flat")) if m in args.modes.split(",")]
+            for mode in modes:
                 tree_model = mode == "tree" or not te
                 if built != tree_model:
                     model = optimizer = None
                     gc.collect()
                     torch.cuda.empty_cache() if cuda else None
-                    model, optimizer = build(path, tree=tree_model, bf16=cuda, recompute=args.recompute, cuda=cuda)
+                    model, optimizer = build(path, tree=tree_model, bf16=cuda, recompute=args.recompute, cuda=cuda,
+                                             backend=args.attention_backend)
                     built = tree_model
                 run = flat_forward_backward if mode == "flat" and te else tree_forward_backward
                 mbs = pack_trees(seqs, spec, share_prefixes=mode == "tree", pad_to_multiple_of=128)
@@ -249,6 +256,12 @@ def main():
                 if args.profile:
                     row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))
                 write(args.out, rows, baseline)  # after every run: a cut-short run keeps its rows
+            if "flat" not in row or "tree" not in row:
+                for m in modes:
+                    print(f"{args.model} {name:10s} {m}={row[m]['step_s']*1e3:.0f}ms/{row[m]['tflops_per_s']:.0f}TF/"
+                          f"{row[m]['peak_mem_gib'] or 0:.1f}GiB", flush=True)
+                write(args.out, rows, baseline)
+                continue
             finish_row(row, per_token, per_pair)
             print(f"{args.model} {name:10s} ratio={row['token_ratio']:.3f} ideal={row['flop_ideal_speedup']:.2f}x "
                   f"speedup={row['speedup']:.2f}x achieved={row['achieved_fraction_of_ideal']:.2f} "
@@ -281,7 +294,8 @@ def workload_row(args, name: str, seqs, per_token: float, per_pair: float, basel
     return dict(model=args.model, workload=name, baseline=baseline, sequences=len(seqs), original_tokens=int(original),
                 unique_tokens=int(unique), token_ratio=unique / original, flat_pairs=flat_pairs, tree_pairs=tree_pairs,
                 flops_flat=flops_flat, flops_tree=flops_tree, flop_ideal_speedup=flops_flat / flops_tree,
-                max_tokens_per_mb=args.max_tokens_per_mb, recompute=args.recompute)
+                max_tokens_per_mb=args.max_tokens_per_mb, recompute=args.recompute,
+                attention_backend=args.attention_backend)
 
 
 def finish_row(row: dict, per_token: float, per_pair: float) -> None:

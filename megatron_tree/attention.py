@@ -11,15 +11,19 @@ the ``attention_mask`` given to ``GPTModel.forward``. Here that mask is the inte
 
 Backends turn the interval vector into what their kernel needs (``prepare``) and run attention
 (``attend``). ``prepare`` runs at most once per micro-batch: its result is cached on the mask
-tensor's memory, so the layers of a model and their recomputation share it. Backends are
-registered by name (:func:`register_tree_attention_backend`): ``"dense"`` materialises the
-``[s, s]`` mask (:func:`~megatron_tree.masks.dense_tree_mask`) and calls PyTorch SDPA (the
-reference; any device); ``"flex"`` runs block-sparse FlexAttention from the interval vector
-(:mod:`megatron_tree.flex_attention`; CUDA, b = 1, no attention dropout); ``"auto"`` (the
-default) sends a micro-batch without a branch (a forest of chains) in bf16/fp16 to Transformer
-Engine's cuDNN varlen attention when TE is installed (:mod:`megatron_tree.chain_attention`), picks
-``"flex"`` where it runs (CUDA, b = 1, head dim >= 16, no attention dropout) and ``"dense"``
-elsewhere.
+tensor's memory, so the layers of a model and their recomputation share it. One module per
+backend, registered here by name (:func:`register_tree_attention_backend` adds more):
+
+* ``"dense"`` (:mod:`megatron_tree.dense_attention`): SDPA with the materialised mask; the
+  reference, any device, dtype and dropout.
+* ``"flex"`` (:mod:`megatron_tree.flex_attention`): block-sparse FlexAttention (Triton) from the
+  interval vector; CUDA, b = 1, no attention dropout, fp32 included.
+* ``"fa4"`` (:mod:`megatron_tree.fa4_attention`): FlashAttention-4's block-sparse CuTe kernels;
+  Hopper/Blackwell with ``flash-attn-4``, bf16/fp16, b = 1, no attention dropout.
+* ``"auto"`` (the default) picks per call the fastest that computes it: a micro-batch without a
+  branch (a forest of chains) in bf16/fp16 goes to Transformer Engine's cuDNN varlen attention
+  when TE is installed (:mod:`megatron_tree.chain_attention`); else ``"fa4"`` where it runs, else
+  ``"flex"`` (CUDA, b = 1, head dim >= 16, no dropout), else ``"dense"``.
 
 Context parallel (CP > 1, :mod:`megatron_tree.context_parallel`): each rank holds s of the
 micro-batch's T slots and ``attention_mask`` is ``cat(slot_order, subtree_end)`` int ``[1, 2T]``.
@@ -40,7 +44,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tree.masks import dense_tree_mask
+from megatron_tree import chain_attention, dense_attention, fa4_attention, flex_attention
+from megatron_tree.config_overrides import have_transformer_engine
 
 __all__ = [
     "TreeAttentionBackend",
@@ -93,99 +98,53 @@ def get_tree_attention_backend(name: str) -> TreeAttentionBackend:
     return _BACKENDS[name]
 
 
-def _dense_attend(query, key, value, allowed, *, scale, dropout_p):
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed, dropout_p=dropout_p, scale=scale
-    )
+for _name, _module in (("dense", dense_attention), ("flex", flex_attention), ("fa4", fa4_attention)):
+    register_tree_attention_backend(TreeAttentionBackend(name=_name, prepare=_module.prepare, attend=_module.attend))
 
 
-def _dense_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
-    # [b, 1, sq, s] bool, True = attend; the head dim broadcasts.
-    return torch.stack([dense_tree_mask(row, query_slots) for row in subtree_end]).unsqueeze(1)
-
-
-register_tree_attention_backend(
-    TreeAttentionBackend(name="dense", prepare=_dense_prepare, attend=_dense_attend)
-)
-
-
-def _flex_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> tuple:
-    from megatron_tree.flex_attention import tree_block_mask
-
-    if subtree_end.shape[0] != 1:
-        raise ValueError(f"the flex tree attention backend takes one micro-batch (b = 1), got b = {subtree_end.shape[0]}")
-    tree_block_mask(subtree_end, query_slots=query_slots)  # built once here; flex_tree_attention finds it cached
-    return subtree_end, query_slots
-
-
-def _flex_attend(query, key, value, prepared, *, scale, dropout_p):
-    from megatron_tree.flex_attention import flex_tree_attention
-
-    if dropout_p:
-        raise ValueError(
-            f"the flex tree attention backend has no attention dropout (got {dropout_p}); set "
-            f"attention_dropout=0 or use backend='dense'"
-        )
-    subtree_end, query_slots = prepared
-    return flex_tree_attention(query, key, value, subtree_end, softmax_scale=scale, query_slots=query_slots)
-
-
-register_tree_attention_backend(
-    TreeAttentionBackend(name="flex", prepare=_flex_prepare, attend=_flex_attend)
-)
-
-
-def _flex_eligible(subtree_end: torch.Tensor) -> bool:
-    return subtree_end.is_cuda and subtree_end.shape[0] == 1
-
-
-def _chains_eligible(subtree_end: torch.Tensor) -> bool:
-    from megatron_tree.config_overrides import have_transformer_engine
-
-    return subtree_end.is_cuda and subtree_end.shape[0] == 1 and have_transformer_engine()
-
-
-def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> list:
-    """``[(subtree_end, query_slots), dense mask or None, chains or None]`` (a list: ``attend`` adds
-    the dense mask when it needs one the prepare did not build). ``chains`` =
-    ``(cu_seqlens, max_seqlen)`` when the micro-batch has no branch, TE's fused attention is
-    available and every slot is a query; the flex block mask (cached by the flex module) where
-    FlexAttention runs; the dense mask elsewhere."""
-    if query_slots is None and _chains_eligible(subtree_end):
-        from megatron_tree.chain_attention import chain_segments
-
-        cu = chain_segments(subtree_end)
+def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> dict:
+    """What ``auto`` may need, by kernel: ``"chains"`` = ``(cu_seqlens, max_seqlen)`` when the micro-batch
+    has no branch, Transformer Engine is installed and every slot is a query; ``"fa4"`` the FA4 block
+    tables where those kernels run (CUDA Hopper/Blackwell, flash-attn-4); else ``"flex"`` on CUDA and
+    ``"dense"`` elsewhere. ``attend`` adds a flex or dense mask later if the call's dtype, head dim or
+    dropout needs one (a dict: the cached entry is updated in place, so that happens once per mask)."""
+    prepared = {"masks": (subtree_end, query_slots)}
+    cuda_one = subtree_end.is_cuda and subtree_end.shape[0] == 1
+    if query_slots is None and cuda_one and have_transformer_engine():
+        cu = chain_attention.chain_segments(subtree_end)
         if cu is not None:
-            return [(subtree_end, None), None, (cu, int((cu[1:] - cu[:-1]).max()))]
-    if _flex_eligible(subtree_end):
-        return [_flex_prepare(subtree_end, query_slots), None, None]
-    return [(subtree_end, query_slots), _dense_prepare(subtree_end, query_slots), None]
+            prepared["chains"] = (cu, int((cu[1:] - cu[:-1]).max()))
+            return prepared
+    if cuda_one and fa4_attention.fa4_available(subtree_end.device):
+        prepared["fa4"] = fa4_attention.prepare(subtree_end, query_slots)
+    elif cuda_one:
+        prepared["flex"] = flex_attention.prepare(subtree_end, query_slots)
+    else:
+        prepared["dense"] = dense_attention.prepare(subtree_end, query_slots)
+    return prepared
 
 
 def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
-    # A micro-batch without a branch in bf16/fp16: varlen causal attention by TE's cuDNN kernel
-    # (the fastest dense kernel on Hopper). Otherwise block-sparse FlexAttention where it runs
-    # (CUDA, b = 1, head dim >= 16, no attention dropout; measured fastest in
-    # benchmarks/attention_bench.py), else the dense reference (FlexAttention has no CPU backward).
-    masks, dense_mask, chains = prepared
-    if chains is not None and not dropout_p and query.dtype in (torch.bfloat16, torch.float16):
-        from megatron_tree.chain_attention import te_chain_attention
+    # The fastest kernel that computes this call, in order (benchmarks/attention_bench.py):
+    # a micro-batch without a branch in bf16/fp16 -> TE's cuDNN varlen attention (the dense kernel
+    # itself); bf16/fp16 with branches -> FA4's block-sparse kernels; else FlexAttention (CUDA, b = 1,
+    # head dim >= 16, no dropout; fp32 included); else the dense reference.
+    masks = prepared["masks"]
+    half = query.dtype in (torch.bfloat16, torch.float16)
+    if "chains" in prepared and half and not dropout_p:
+        return chain_attention.te_chain_attention(query, key, value, *prepared["chains"], scale=scale)
+    if "fa4" in prepared and fa4_attention.supports(query, dropout_p):
+        return fa4_attention.attend(query, key, value, prepared["fa4"], scale=scale, dropout_p=dropout_p)
+    if masks[0].is_cuda and masks[0].shape[0] == 1 and query.shape[-1] >= 16 and not dropout_p:
+        if "flex" not in prepared:
+            prepared["flex"] = flex_attention.prepare(*masks)
+        return flex_attention.attend(query, key, value, prepared["flex"], scale=scale, dropout_p=dropout_p)
+    if "dense" not in prepared:
+        prepared["dense"] = dense_attention.prepare(*masks)
+    return dense_attention.attend(query, key, value, prepared["dense"], scale=scale, dropout_p=dropout_p)
 
-        return te_chain_attention(query, key, value, *chains, scale=scale)
-    if dense_mask is None and query.shape[-1] >= 16 and not dropout_p:
-        return _flex_attend(query, key, value, masks, scale=scale, dropout_p=dropout_p)
-    if dense_mask is None:  # CUDA with a head dim or dropout flex lacks: dense, built once per mask
-        dense_mask = prepared[1] = _dense_prepare(*masks)
-    return _dense_attend(query, key, value, dense_mask, scale=scale, dropout_p=dropout_p)
 
-
-register_tree_attention_backend(
-    TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend)
-)
+register_tree_attention_backend(TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend))
 
 
 def check_subtree_end(subtree_end: torch.Tensor, batch: int, slots: int) -> None:

@@ -19,6 +19,10 @@ query slots) are padded to a multiple of 128 so the mask never reads past them. 
 compiled on first use per (dtype, head layout, mask kind) and reused for every length.
 
 bf16 / fp16 only (the kernels have no fp32 path): fp32 runs take ``"flex"`` or ``"dense"``.
+
+As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend`
+(b = 1, no attention dropout, head dim a multiple of 8 up to 256); ``"auto"`` picks it for
+bf16/fp16 micro-batches with branches wherever it runs.
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ import torch
 
 from megatron_tree.flex_attention import _check_qkv, _check_subtree_end, _ordered_tables, classify_blocks
 
-__all__ = ["FA4_VERSION", "FA4TreeMask", "fa4_available", "fa4_tree_attention", "fa4_tree_mask"]
+__all__ = [
+    "FA4_VERSION",
+    "FA4TreeMask",
+    "attend",
+    "fa4_available",
+    "fa4_tree_attention",
+    "fa4_tree_mask",
+    "fa4_unavailable_reason",
+    "prepare",
+]
 
 FA4_VERSION = "4.0.0b36"
 """The ``flash-attn-4`` release this module is written and tested against (``pip install flash-attn-4==4.0.0b36``)."""
@@ -170,3 +183,35 @@ def fa4_tree_attention(
         block_sparse_tensors_bwd=mask.backward,
     )
     return out.transpose(1, 2)
+
+
+def supports(query: torch.Tensor, dropout_p: float) -> bool:
+    """True when :func:`attend` runs this call: bf16/fp16, b = 1, head dim a multiple of 8 in [8, 256], no dropout."""
+    d = query.shape[-1]
+    return (
+        query.dtype in (torch.bfloat16, torch.float16) and query.shape[0] == 1 and 8 <= d <= 256 and d % 8 == 0
+        and not dropout_p
+    )
+
+
+def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FA4TreeMask:
+    """Backend ``prepare``: :func:`fa4_tree_mask`, after checking the kernels run on this device."""
+    reason = fa4_unavailable_reason(subtree_end.device if subtree_end.is_cuda else None)
+    if reason is not None:
+        raise RuntimeError(f"{reason}; use backend='flex' or 'auto'")
+    if subtree_end.shape[0] != 1:
+        raise ValueError(f"the fa4 tree attention backend takes one micro-batch (b = 1), got b = {subtree_end.shape[0]}")
+    return fa4_tree_mask(subtree_end, query_slots)
+
+
+def attend(query, key, value, prepared, *, scale, dropout_p):
+    """Backend ``attend``: query ``[1, np, Tq, hn]``, key/value ``[1, ng, T, hn]`` -> ``[1, np, Tq, hn]``."""
+    if dropout_p:
+        raise ValueError(
+            f"the fa4 tree attention backend has no attention dropout (got {dropout_p}); set "
+            f"attention_dropout=0 or use backend='dense'"
+        )
+    d = query.shape[-1]
+    if d % 8 or not 8 <= d <= 256:
+        raise ValueError(f"the fa4 tree attention backend needs a head dim that is a multiple of 8 in [8, 256], got {d}")
+    return fa4_tree_attention(query, key, value, prepared, softmax_scale=scale)

@@ -24,6 +24,9 @@ of a bucket length avoids the pad copy of q/k/v altogether. Each (bucket, dtype,
 layout, grad mode) is one compiled graph; the call raises Dynamo's recompile limit
 (default 8 graphs per function) to :data:`RECOMPILE_LIMIT`, since hitting it would fall
 back to eager FlexAttention, which materialises the full [b, h, Tp, Tp] score matrix.
+
+As the ``"flex"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend`
+(CUDA forward and backward, b = 1, no attention dropout; fp32 included).
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 __all__ = [
     "RECOMPILE_LIMIT",
+    "attend",
     "classify_blocks",
     "flex_tree_attention",
     "padded_length",
+    "prepare",
     "tree_block_mask",
 ]
 
@@ -319,3 +324,22 @@ def flex_tree_attention(
             kernel_options=kernel_options,
         )
     return out[:, :, :tq] if pad_q else out
+
+
+def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> tuple:
+    """Backend ``prepare``: builds (and caches) the block mask; returns ``(subtree_end, query_slots)``."""
+    if subtree_end.shape[0] != 1:
+        raise ValueError(f"the flex tree attention backend takes one micro-batch (b = 1), got b = {subtree_end.shape[0]}")
+    tree_block_mask(subtree_end, query_slots=query_slots)  # built once here; flex_tree_attention finds it cached
+    return subtree_end, query_slots
+
+
+def attend(query, key, value, prepared, *, scale, dropout_p):
+    """Backend ``attend``: query ``[1, np, Tq, hn]``, key/value ``[1, ng, T, hn]`` -> ``[1, np, Tq, hn]``."""
+    if dropout_p:
+        raise ValueError(
+            f"the flex tree attention backend has no attention dropout (got {dropout_p}); set "
+            f"attention_dropout=0 or use backend='dense'"
+        )
+    subtree_end, query_slots = prepared
+    return flex_tree_attention(query, key, value, subtree_end, softmax_scale=scale, query_slots=query_slots)

@@ -15,7 +15,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tree import attention as tree_attn_mod
+from megatron_tree import dense_attention
 from megatron_tree.attention import (
     PREPARED_MASKS,
     TreeCoreAttention,
@@ -168,8 +168,8 @@ def test_low_precision_error_is_a_small_multiple_of_plain_path(dtype, device):
 
 def test_mask_prepared_once_per_micro_batch_and_shared_by_recompute(monkeypatch):
     calls = []
-    real = tree_attn_mod.dense_tree_mask
-    monkeypatch.setattr(tree_attn_mod, "dense_tree_mask", lambda e, q=None: calls.append(1) or real(e, q))
+    real = dense_attention.dense_tree_mask
+    monkeypatch.setattr(dense_attention, "dense_tree_mask", lambda e, q=None: calls.append(1) or real(e, q))
     PREPARED_MASKS.clear()
     ends, _ = dfs_layout(FORESTS["branching"])
     mask = ends[None].clone()

@@ -117,3 +117,30 @@ def test_fa4_unavailable_reason_is_explicit():
     reason = fa4_unavailable_reason()
     if reason is not None:
         assert "CUDA" in reason or "flash-attn-4" in reason or "sm" in reason or "flash_attn" in reason
+
+
+@requires_fa4
+def test_auto_backend_runs_fa4_for_bf16_and_flex_for_fp32(monkeypatch):
+    """Megatron layout through ``tree_attention``: ``auto`` takes FA4 for a branching bf16 micro-batch and
+    FlexAttention for fp32 (exact there), both against the dense backend."""
+    from megatron_tree import fa4_attention
+    from megatron_tree.attention import PREPARED_MASKS, tree_attention
+
+    used = []
+    real = fa4_attention.fa4_tree_attention
+    monkeypatch.setattr(fa4_attention, "fa4_tree_attention", lambda *a, **k: used.append(1) or real(*a, **k))
+    PREPARED_MASKS.clear()
+    mask = _tree("grpo")[None]
+    t = mask.shape[1]
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(t, 1, h, 128, device="cuda", generator=g) for h in (16, 8, 8))
+    ref = tree_attention(q.double(), k.double(), v.double(), mask, backend="dense")
+    out32 = tree_attention(q, k, v, mask, backend="auto")
+    assert not used
+    torch.testing.assert_close(out32.double(), ref, rtol=1e-5, atol=1e-5)
+    dense16 = tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, backend="dense")
+    out16 = tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, backend="auto")
+    assert used
+    err, err_dense = ((x.double() - ref).norm() / ref.norm() for x in (out16, dense16))
+    assert err <= 2 * err_dense + 1e-4
+    torch.testing.assert_close(tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, backend="fa4"), out16)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The FA4 tree attention backend on the GPU host (after benchmarks/fa4_stage.sh unpack-a / unpack-b; TE carried).
+#
+#   PART=kernel bash benchmarks/gpu_fa4.sh   # GPU tests, attention_bench (4 workloads, TE THD and cuDNN refs),
+#                                            # the 1-GPU bf16 training step (auto = FA4) against fp32
+#   PART=e2e bash benchmarks/gpu_fa4.sh      # long-context multi-turn (trajectories up to ~50k) end to end, 0.6B:
+#                                            # TE THD flat vs tree with FA4, then tree with FlexAttention
+# Outputs under $OUT (default benchmarks/results/te).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/te}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # compiled kernels reused across the processes below
+python3 -c "import transformer_engine" 2>/dev/null || bash .te/te-setup.sh 2>&1 | tail -1
+python3 -c "from megatron_tree.fa4_attention import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
+if [ "${PART:-kernel}" = kernel ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_attention.py 2>&1 \
+    | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/fa4_tests.txt"
+  timeout 400 python3 benchmarks/attention_bench.py --out "$OUT" --tag h200_fa4 --variants --skip-dense --iters 5 \
+    --warmup 2 > "$OUT/attention_fa4.log" 2>&1
+  grep -v -i warn "$OUT/attention_fa4.log" | tail -34
+  echo "== 1 GPU bf16 step, auto backend (FA4), each against the fp32 flat step" | tee "$OUT/fa4_bf16_step.txt"
+  timeout 200 torchrun --nproc-per-node 1 tests/scripts/schedule_parity.py --ckpt /tmp/ck_b1 --bf16 2>&1 \
+    | grep -E "BF16|bf16:|Error|error:" | grep -v -i warn | tee -a "$OUT/fa4_bf16_step.txt"
+else
+  common="--model qwen3-0.6b --workloads long_multi_turn --max-tokens-per-mb 65536 --recompute full --warmup 1 --steps 2 --no-profile"
+  timeout 420 python3 benchmarks/e2e_bench.py $common --attention-backend auto --out "$OUT/e2e_long_fa4.json" 2>&1 \
+    | grep -E "^qwen3|Error|error" | tee "$OUT/e2e_long.txt"
+  timeout 150 python3 benchmarks/e2e_bench.py $common --attention-backend flex --modes tree \
+    --out "$OUT/e2e_long_flex.json" 2>&1 | grep -E "^qwen3|Error|error" | tee -a "$OUT/e2e_long.txt"
+fi
