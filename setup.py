@@ -22,6 +22,8 @@ setup(
             "tqdm",
         ],
         "test": ["pytest", "hypothesis", "wandb"],
+        # The "fa4" tree attention backend (Hopper / Blackwell GPUs): FlashAttention-4's CuTe kernels.
+        "fa4": ["flash-attn-4==4.0.0b36"],
         "bench": ["matplotlib", "tqdm"],
     },
     entry_points={"console_scripts": ["megatron-tree-train=megatron_tree.train.__main__:main"]},

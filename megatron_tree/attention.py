@@ -20,10 +20,11 @@ backend, registered here by name (:func:`register_tree_attention_backend` adds m
   interval vector; CUDA, b = 1, no attention dropout, fp32 included.
 * ``"fa4"`` (:mod:`megatron_tree.fa4_attention`): FlashAttention-4's block-sparse CuTe kernels;
   Hopper/Blackwell with ``flash-attn-4``, bf16/fp16, b = 1, no attention dropout.
-* ``"auto"`` (the default) picks per call the fastest that computes it: a micro-batch without a
-  branch (a forest of chains) in bf16/fp16 goes to Transformer Engine's cuDNN varlen attention
-  when TE is installed (:mod:`megatron_tree.chain_attention`); else ``"fa4"`` where it runs, else
-  ``"flex"`` (CUDA, b = 1, head dim >= 16, no dropout), else ``"dense"``.
+* ``"auto"`` (the default) picks per call the fastest that computes it: ``"fa4"`` for bf16/fp16
+  where it runs; else, for a micro-batch without a branch (a forest of chains) in bf16/fp16,
+  Transformer Engine's cuDNN varlen attention when TE is installed
+  (:mod:`megatron_tree.chain_attention`); else ``"flex"`` (CUDA, b = 1, head dim >= 16, no
+  dropout; fp32 too), else ``"dense"``.
 
 Context parallel (CP > 1, :mod:`megatron_tree.context_parallel`): each rank holds s of the
 micro-batch's T slots and ``attention_mask`` is ``cat(slot_order, subtree_end)`` int ``[1, 2T]``.
@@ -103,21 +104,22 @@ for _name, _module in (("dense", dense_attention), ("flex", flex_attention), ("f
 
 
 def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> dict:
-    """What ``auto`` may need, by kernel: ``"chains"`` = ``(cu_seqlens, max_seqlen)`` when the micro-batch
-    has no branch, Transformer Engine is installed and every slot is a query; ``"fa4"`` the FA4 block
-    tables where those kernels run (CUDA Hopper/Blackwell, flash-attn-4); else ``"flex"`` on CUDA and
-    ``"dense"`` elsewhere. ``attend`` adds a flex or dense mask later if the call's dtype, head dim or
+    """What ``auto`` may need, by kernel: ``"fa4"`` the FA4 block tables where those kernels run (CUDA
+    Hopper/Blackwell, flash-attn-4); else ``"chains"`` = ``(cu_seqlens, max_seqlen)`` when the
+    micro-batch has no branch, Transformer Engine is installed and every slot is a query; else
+    ``"flex"`` on CUDA and ``"dense"`` elsewhere. ``attend`` adds a flex or dense mask later if the call's dtype, head dim or
     dropout needs one (a dict: the cached entry is updated in place, so that happens once per mask)."""
     prepared = {"masks": (subtree_end, query_slots)}
     cuda_one = subtree_end.is_cuda and subtree_end.shape[0] == 1
+    if cuda_one and fa4_attention.fa4_available(subtree_end.device):
+        prepared["fa4"] = fa4_attention.prepare(subtree_end, query_slots)
+        return prepared
     if query_slots is None and cuda_one and have_transformer_engine():
         cu = chain_attention.chain_segments(subtree_end)
         if cu is not None:
             prepared["chains"] = (cu, int((cu[1:] - cu[:-1]).max()))
             return prepared
-    if cuda_one and fa4_attention.fa4_available(subtree_end.device):
-        prepared["fa4"] = fa4_attention.prepare(subtree_end, query_slots)
-    elif cuda_one:
+    if cuda_one:
         prepared["flex"] = flex_attention.prepare(subtree_end, query_slots)
     else:
         prepared["dense"] = dense_attention.prepare(subtree_end, query_slots)
@@ -125,9 +127,10 @@ def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
 
 
 def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
-    # The fastest kernel that computes this call, in order (benchmarks/attention_bench.py):
-    # a micro-batch without a branch in bf16/fp16 -> TE's cuDNN varlen attention (the dense kernel
-    # itself); bf16/fp16 with branches -> FA4's block-sparse kernels; else FlexAttention (CUDA, b = 1,
+    # The fastest kernel that computes this call, in order (benchmarks/attention_bench.py, H200):
+    # bf16/fp16 -> FA4's block-sparse kernels (with or without branches: on the no-sharing batch
+    # they beat TE's cuDNN THD varlen attention, 2.47 vs 2.95 ms); without FA4, a micro-batch
+    # without a branch in bf16/fp16 -> TE's cuDNN varlen attention; else FlexAttention (CUDA, b = 1,
     # head dim >= 16, no dropout; fp32 included); else the dense reference.
     masks = prepared["masks"]
     half = query.dtype in (torch.bfloat16, torch.float16)

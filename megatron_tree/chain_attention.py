@@ -3,7 +3,7 @@
 A micro-batch in which no node has two children (every sequence its own chain: no prefix is
 shared, e.g. a batch of unrelated prompts, or the flat baseline's packing) is plain varlen causal
 attention: each chain is one segment of a packed THD row. There the fastest dense kernel on the
-GPU, TE's cuDNN fused attention, computes exactly what the tree mask describes, so the ``auto``
+GPU without FlashAttention-4, TE's cuDNN fused attention, computes exactly what the tree mask describes, so the ``auto``
 backend (:mod:`megatron_tree.attention`) sends such micro-batches here instead of FlexAttention.
 
 Shape legend: s = slots, np / ng = query / key-value heads per TP rank, hn = head dim.

@@ -286,11 +286,14 @@ def test_chain_segments_finds_chain_forests_only():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Transformer Engine's fused attention needs CUDA")
-def test_chain_forest_through_te_matches_dense_bf16():
+def test_chain_forest_through_te_matches_dense_bf16(monkeypatch):
     """A micro-batch without a branch runs on TE's cuDNN varlen kernel under ``auto`` (when TE is
-    installed) and stays within the dense bf16 path's own error of the fp32 reference."""
+    installed and FA4 is not, which ``auto`` prefers) and stays within the dense bf16 path's own
+    error of the fp32 reference."""
     pytest.importorskip("transformer_engine")
-    from megatron_tree import chain_attention
+    from megatron_tree import chain_attention, fa4_attention
+
+    monkeypatch.setattr(fa4_attention, "fa4_available", lambda device=None: False)
 
     torch.manual_seed(0)
     lens = [37, 300, 5, 128]

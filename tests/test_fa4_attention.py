@@ -12,9 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.config_overrides import have_transformer_engine
 from megatron_tree.fa4_attention import fa4_available, fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason
 from megatron_tree.masks import dense_tree_mask
 from megatron_tree.synthetic import grpo_batch, multi_turn_batch
+
+# Transformer Engine loads the system cuDNN: importing it after SDPA's cuDNN backend ran fails, so first.
+have_transformer_engine()
 
 requires_fa4 = pytest.mark.skipif(
     not torch.cuda.is_available() or not fa4_available(), reason="needs a Hopper/Blackwell GPU and flash-attn-4"
