@@ -29,4 +29,5 @@ else
     | grep -E "^qwen3|Error|error" | tee "$OUT/e2e_long.txt"
   timeout 150 python3 benchmarks/e2e_bench.py $common --attention-backend flex --modes tree \
     --out "$OUT/e2e_long_flex.json" 2>&1 | grep -E "^qwen3|Error|error" | tee -a "$OUT/e2e_long.txt"
+  python3 benchmarks/plot_e2e_long.py "$OUT" && echo "wrote $OUT/e2e_long.png"
 fi

@@ -2,7 +2,7 @@
 
 Shape legend: b = batch (1), h = query heads, hkv = key/value heads (h % hkv == 0), T = slots,
 Tq = query rows (T, or a context-parallel rank's share), d = head dim, nq / nk = 128-slot query /
-key blocks (``ceil(Tq / 128)``, ``ceil(T / 128)``); the backward's tables list 64-row query blocks.
+key blocks (``ceil(Tq / 128)``, ``ceil(T / 128)``).
 
 Mask (the interval encoding, :mod:`megatron_tree.masks`): key j is visible to query i iff
 ``j <= i < subtree_end[j]``. The kernels are the ``flash-attn-4`` package's (``flash_attn.cute``,
@@ -50,11 +50,9 @@ FA4_VERSION = "4.0.0b36"
 """The ``flash-attn-4`` release this module is written and tested against (``pip install flash-attn-4==4.0.0b36``)."""
 
 BLOCK = 128
-"""Sparse block size of the forward (query and key: the Hopper forward tile) and of the backward's keys."""
-
-BWD_BLOCK_Q = 64
-"""Query block of the backward's tables: its Hopper query tile, so a 64-row half of a 128-row block that
-the mask fully covers (or misses) skips the mask (or the tile)."""
+"""Sparse block size, query and key, forward and backward: the Hopper forward tile, and two of the
+backward's 64-row query tiles. (64-row backward tables were tried on the H200: no faster on the
+benchmark trees, twice the table build time, and the head-dim-64 and query-slot GPU tests failed.)"""
 
 
 @functools.cache
@@ -144,9 +142,8 @@ def fa4_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
         slots = torch.cat([query_slots.reshape(-1), query_slots.new_full((tqp - tq,), -1)]).to(torch.int32)
     partial, full = classify_blocks(end_padded, BLOCK, slots)
     forward = BlockSparseTensorsTorch(*_ordered_tables(partial), *_ordered_tables(full), block_size=(BLOCK, BLOCK))
-    partial, full = classify_blocks(end_padded, (BWD_BLOCK_Q, BLOCK), slots)
     backward = BlockSparseTensorsTorch(
-        *_ordered_tables(partial.T.contiguous()), *_ordered_tables(full.T.contiguous()), block_size=(BWD_BLOCK_Q, BLOCK)
+        *_ordered_tables(partial.T.contiguous()), *_ordered_tables(full.T.contiguous()), block_size=(BLOCK, BLOCK)
     )
     aux = (end_padded,) if slots is None else (end_padded, slots)
     return FA4TreeMask(aux, forward, backward, t, tq)
