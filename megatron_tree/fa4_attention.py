@@ -33,7 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tree.flex_attention import _check_qkv, _check_subtree_end, _ordered_tables, classify_blocks
+from megatron_tree.flex_attention import (
+    _check_qkv,
+    _check_subtree_end,
+    _ordered_tables,
+    classify_blocks,
+    pad_query_slots,
+    pad_subtree_end,
+)
 
 __all__ = [
     "FA4_VERSION",
@@ -133,13 +140,11 @@ def fa4_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
 
     end = _check_subtree_end(subtree_end)
     t = end.shape[0]
-    tk = -(-t // BLOCK) * BLOCK
-    end_padded = torch.cat([end, torch.arange(t + 1, tk + 1, device=end.device, dtype=end.dtype)]).to(torch.int32)
+    end_padded = pad_subtree_end(end, -(-t // BLOCK) * BLOCK)
     slots, tq = None, t
     if query_slots is not None:
         tq = query_slots.numel()
-        tqp = -(-tq // BLOCK) * BLOCK
-        slots = torch.cat([query_slots.reshape(-1), query_slots.new_full((tqp - tq,), -1)]).to(torch.int32)
+        slots = pad_query_slots(query_slots, -(-tq // BLOCK) * BLOCK)
     partial, full = classify_blocks(end_padded, BLOCK, slots)
     forward = BlockSparseTensorsTorch(*_ordered_tables(partial), *_ordered_tables(full), block_size=(BLOCK, BLOCK))
     backward = BlockSparseTensorsTorch(

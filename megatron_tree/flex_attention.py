@@ -151,6 +151,17 @@ def _ordered_tables(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None], indices[None, None]
 
 
+def pad_subtree_end(end: torch.Tensor, length: int) -> torch.Tensor:
+    """``end`` int [T] -> int32 [length >= T]: slots ``[T, length)`` are padding that sees only itself."""
+    pad = torch.arange(end.shape[0] + 1, length + 1, device=end.device, dtype=end.dtype)
+    return torch.cat([end, pad]).to(torch.int32)
+
+
+def pad_query_slots(query_slots: torch.Tensor, length: int) -> torch.Tensor:
+    """``query_slots`` int [Tq] -> int32 [length >= Tq]: rows ``[Tq, length)`` are slot -1 (see nothing)."""
+    return torch.cat([query_slots.reshape(-1), query_slots.new_full((length - query_slots.numel(),), -1)]).to(torch.int32)
+
+
 def _interval_mask_mod(end: torch.Tensor, query_slots: torch.Tensor | None = None):
     """FlexAttention mask_mod of the interval encoding over ``end`` int [Tp] (True = attend); with
     ``query_slots`` int [Tqp], query row q is slot ``query_slots[q]`` (-1 sees nothing)."""
@@ -213,15 +224,12 @@ def tree_block_mask(
     if cached is not None:
         _block_mask_cache.move_to_end(key)
         return cached[1]
-    t = end.shape[0]
-    tp = padded_length(t, sizes)
-    pad = torch.arange(t + 1, tp + 1, device=end.device, dtype=end.dtype)
-    end_padded = torch.cat([end, pad]).to(torch.int32)
+    tp = padded_length(end.shape[0], sizes)
+    end_padded = pad_subtree_end(end, tp)
     slots, q_len = None, tp
     if query_slots is not None:
-        tq = query_slots.numel()
-        q_len = padded_length(tq, sizes)
-        slots = torch.cat([query_slots.reshape(-1), query_slots.new_full((q_len - tq,), -1)]).to(torch.int32)
+        q_len = padded_length(query_slots.numel(), sizes)
+        slots = pad_query_slots(query_slots, q_len)
     partial, full = classify_blocks(end_padded, sizes, slots)
     kv_num, kv_idx = _ordered_tables(partial)
     full_num, full_idx = _ordered_tables(full)
