@@ -380,6 +380,8 @@ class TreeCoreAttention(MegatronModule):
             1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if self.backend == "fa4":
+            fa4_attention.check_model(config.bf16 or config.fp16, self.dropout_p)
         self.positions_from_ids = False
         # Context parallel: megatron-core hands its groups in pg_collection (else the global state).
         cp_group = getattr(pg_collection, "cp", None)

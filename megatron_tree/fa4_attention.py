@@ -22,7 +22,7 @@ bf16 / fp16 only (the kernels have no fp32 path): fp32 runs take ``"flex"`` or `
 
 As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend`
 (b = 1, no attention dropout, head dim a multiple of 8 up to 256); ``"auto"`` picks it for
-bf16/fp16 micro-batches with branches wherever it runs.
+bf16/fp16 micro-batches wherever it runs.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ __all__ = [
     "FA4_VERSION",
     "FA4TreeMask",
     "attend",
+    "check_model",
     "fa4_available",
     "fa4_tree_attention",
     "fa4_tree_mask",
@@ -79,13 +80,30 @@ def _fa4_import_error() -> str | None:
 
 
 def fa4_unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the FA4 backend cannot run on ``device`` (default: the current CUDA device), None if it can."""
+    """Why the FA4 backend cannot run on ``device`` (default: the current CUDA device), None if it can.
+    Names every missing prerequisite (GPU, GPU generation, the flash-attn-4 package)."""
+    device = None if device is None else torch.device(device)
+    problems = []
     if not torch.cuda.is_available():
-        return "the FA4 tree attention backend needs a CUDA GPU"
-    major = torch.cuda.get_device_capability(device)[0]
-    if major not in (9, 10):
-        return f"the FA4 tree attention backend runs on Hopper (sm90) and Blackwell (sm100); this GPU is sm{major}x"
-    return _fa4_import_error()
+        problems.append("it needs a CUDA GPU (Hopper sm90 or Blackwell sm100)")
+    elif device is not None and device.type != "cuda":
+        problems.append(f"the tensors are on {device}, not on a CUDA GPU")
+    else:
+        major = torch.cuda.get_device_capability(device)[0]
+        if major not in (9, 10):
+            problems.append(f"it runs on Hopper (sm90) and Blackwell (sm100) GPUs; this GPU is sm{major}x")
+    missing = _fa4_import_error()
+    if missing is not None:
+        problems.append(f"{missing}; or pip install -e '.[fa4]'")
+    return "the FA4 tree attention backend cannot run: " + "; ".join(problems) if problems else None
+
+
+def _require(device: torch.device | None) -> None:
+    """RuntimeError with :func:`fa4_unavailable_reason` and what to use instead, unless FA4 runs on ``device``."""
+    reason = fa4_unavailable_reason(device)
+    if reason is not None:
+        instead = "'flex' or 'auto'" if torch.cuda.is_available() else "'auto' or 'dense' (no CUDA GPU here)"
+        raise RuntimeError(f"{reason}. Use backend={instead}.")
 
 
 def fa4_available(device: torch.device | None = None) -> bool:
@@ -136,9 +154,10 @@ def fa4_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
     ``subtree_end`` int [T] or [1, T] (``j < subtree_end[j] <= T``, not re-checked here);
     ``query_slots`` int [Tq] (context parallel) or None (Tq = T, row i is slot i).
     """
+    end = _check_subtree_end(subtree_end)
+    _require(end.device)
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    end = _check_subtree_end(subtree_end)
     t = end.shape[0]
     end_padded = pad_subtree_end(end, -(-t // BLOCK) * BLOCK)
     slots, tq = None, t
@@ -167,8 +186,6 @@ def fa4_tree_attention(
     query [1, h, Tq, d], key / value [1, hkv, T, d] (bf16 or fp16, CUDA, h % hkv == 0), ``mask`` from
     :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, d].
     """
-    from flash_attn.cute.interface import flash_attn_func
-
     _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(
@@ -176,6 +193,11 @@ def fa4_tree_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"FA4 tree attention takes one micro-batch (b = 1), got b = {query.shape[0]}")
+    if mask.aux[0].device != query.device:
+        raise ValueError(f"the FA4 tree mask is on {mask.aux[0].device} but query is on {query.device}")
+    _require(query.device)
+    from flash_attn.cute.interface import flash_attn_func
+
     tree_mask, tree_mask_query_slots = _mask_mods()
     out, _ = flash_attn_func(
         query.transpose(1, 2),
@@ -199,13 +221,23 @@ def supports(query: torch.Tensor, dropout_p: float) -> bool:
     )
 
 
+def check_model(bf16_or_fp16: bool, dropout_p: float) -> None:
+    """Raise at model build time (``TreeCoreAttention(backend="fa4")``) what the first forward would:
+    no FA4 here, an fp32 model, attention dropout."""
+    _require(None)
+    if not bf16_or_fp16:
+        raise ValueError("backend='fa4' runs bf16/fp16 models, this one is fp32: build it with bf16=True, "
+                         "or use backend='auto' (FA4 for bf16/fp16, FlexAttention for fp32)")
+    if dropout_p:
+        raise ValueError(f"backend='fa4' has no attention dropout (attention_dropout={dropout_p}); set it to 0 "
+                         f"or use backend='dense'")
+
+
 def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FA4TreeMask:
     """Backend ``prepare``: :func:`fa4_tree_mask`, after checking the kernels run on this device."""
-    reason = fa4_unavailable_reason(subtree_end.device if subtree_end.is_cuda else None)
-    if reason is not None:
-        raise RuntimeError(f"{reason}; use backend='flex' or 'auto'")
-    if subtree_end.shape[0] != 1:
-        raise ValueError(f"the fa4 tree attention backend takes one micro-batch (b = 1), got b = {subtree_end.shape[0]}")
+    _require(subtree_end.device)
+    if subtree_end.dim() != 2 or subtree_end.shape[0] != 1:
+        raise ValueError(f"the fa4 tree attention backend takes one micro-batch mask [1, T], got shape {tuple(subtree_end.shape)}")
     return fa4_tree_mask(subtree_end, query_slots)
 
 

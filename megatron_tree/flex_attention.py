@@ -349,5 +349,10 @@ def attend(query, key, value, prepared, *, scale, dropout_p):
             f"the flex tree attention backend has no attention dropout (got {dropout_p}); set "
             f"attention_dropout=0 or use backend='dense'"
         )
+    if not query.is_cuda and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+        raise ValueError(
+            f"the flex tree attention backend has no backward on {query.device} (a FlexAttention limitation); "
+            f"use backend='auto' or 'dense' off CUDA"
+        )
     subtree_end, query_slots = prepared
     return flex_tree_attention(query, key, value, subtree_end, softmax_scale=scale, query_slots=query_slots)

@@ -120,7 +120,32 @@ def test_fa4_refuses_fp32():
 def test_fa4_unavailable_reason_is_explicit():
     reason = fa4_unavailable_reason()
     if reason is not None:
-        assert "CUDA" in reason or "flash-attn-4" in reason or "sm" in reason or "flash_attn" in reason
+        assert reason.startswith("the FA4 tree attention backend cannot run: ")
+        assert "CUDA GPU" in reason or "sm" in reason or "flash-attn-4" in reason or "flash_attn" in reason
+
+
+def test_fa4_pin_matches_setup_extra():
+    import pathlib
+    import re
+
+    from megatron_tree.fa4_attention import FA4_VERSION
+
+    setup = (pathlib.Path(__file__).parents[1] / "setup.py").read_text()
+    assert re.search(r'"fa4": \["flash-attn-4==([^"]+)"\]', setup).group(1) == FA4_VERSION
+
+
+@pytest.mark.skipif(fa4_available(), reason="checks the refusal where FA4 cannot run")
+def test_fa4_backend_refuses_clearly_where_it_cannot_run():
+    """Asked for explicitly, FA4 never falls back: the call and the model build say why and what to use."""
+    from megatron_tree.attention import PREPARED_MASKS, tree_attention
+
+    PREPARED_MASKS.clear()
+    end = torch.tensor([[3, 3, 3]], dtype=torch.int32)
+    q = torch.randn(3, 1, 2, 16)
+    with pytest.raises(RuntimeError, match="cannot run: .*Use backend="):
+        tree_attention(q, q, q, end, backend="fa4")
+    with pytest.raises(RuntimeError, match="cannot run"):
+        fa4_tree_mask(end)
 
 
 @requires_fa4
