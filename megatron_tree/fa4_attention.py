@@ -118,6 +118,8 @@ def _mask_mods():
     import cutlass.cute as cute
     from flash_attn.cute import utils
 
+    from megatron_tree.patches.flash_attn import lean_tree_mask
+
     @cute.jit
     def tree_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
         end = utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]], cutlass.Int32)
@@ -129,6 +131,7 @@ def _mask_mods():
         slot = utils.scalar_to_ssa(aux_tensors[1][q_idx[0]], cutlass.Int32)
         return (kv_idx <= slot) & (slot < end)
 
+    lean_tree_mask(tree_mask, tree_mask_query_slots)
     return tree_mask, tree_mask_query_slots
 
 
