@@ -104,6 +104,58 @@ def test_fa4_wrong_mask_is_caught():
     assert fa4[0] > 0.05
 
 
+def _elementwise_tree_mask_mods():
+    """The tree mask_mods' predicate as unregistered mask_mods: FA4 applies them with its own element-wise code."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    @cute.jit
+    def tree(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        end = utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]], cutlass.Int32)
+        return (kv_idx <= q_idx) & (q_idx < end)
+
+    @cute.jit
+    def tree_slots(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        end = utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]], cutlass.Int32)
+        slot = utils.scalar_to_ssa(aux_tensors[1][q_idx[0]], cutlass.Int32)
+        return (kv_idx <= slot) & (slot < end)
+
+    return tree, tree_slots
+
+
+@requires_fa4
+@pytest.mark.parametrize("query_slots", [False, True])
+def test_lean_mask_equals_fa4_elementwise_mask(query_slots):
+    """patches/flash_attn.py's lean mask (our mask_mods) against FA4's own element-wise masking of the same
+    predicate: identical out / dk / dv bits, dq up to the order of its atomic adds."""
+    from flash_attn.cute.interface import flash_attn_func
+
+    end = _tree("multi_turn")
+    t = end.shape[0]
+    slots = None
+    if query_slots:
+        slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))[: t // 2]
+    tq = t if slots is None else slots.numel()
+    base = _inputs(t, tq, 16, 8, 128, seed=4)
+    prepared = fa4_tree_mask(end, slots)
+    lean = _run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16)
+    tree, tree_slots = _elementwise_tree_mask_mods()
+
+    def elementwise(q, k, v):
+        return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               mask_mod=tree_slots if query_slots else tree, aux_tensors=list(prepared.aux),
+                               block_sparse_tensors=prepared.forward,
+                               block_sparse_tensors_bwd=prepared.backward)[0].transpose(1, 2)
+
+    ref = _run(elementwise, base, torch.bfloat16)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), lean, ref):
+        if name == "dq":
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+        else:
+            assert torch.equal(a, b), f"{name}: lean mask differs from FA4's element-wise mask"
+
+
 @requires_fa4
 def test_fa4_refuses_fp32():
     end = _tree("grpo")
