@@ -8,7 +8,7 @@ batch at T = 32768 slots; long agentic trajectories (``long_multi_turn``: 4k sys
 24-32 turns of 1-3k tokens, trajectories of 30k-100k tokens) at T = 131072 slots, where the flat
 and dense-mask methods are skipped (millions of flat tokens; a [T, T] mask). bf16, 16 query heads, 8 KV heads,
 head dim 128, batch 1. Methods, each timed forward and forward + backward with CUDA events
-(median of ``--iters`` after ``--warmup``):
+(median of ``--iters`` calls queued back to back, as a training step issues them, after ``--warmup``):
 
   flex_tree     ``flex_tree_attention`` over the T slots (block mask built once; its build
                 time is reported apart, with ``create_block_mask`` over the mask_mod for scale)

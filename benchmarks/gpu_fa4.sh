@@ -2,6 +2,8 @@
 # The FA4 tree attention backend on the GPU host (after benchmarks/fa4_stage.sh unpack-a / unpack-b; TE carried).
 #
 #   PART=kernel bash benchmarks/gpu_fa4.sh   # GPU tests, attention_bench (4 workloads, TE THD and cuDNN refs),
+#                                            # fa4_host_probe (host vs kernel time of a tree call), fa4_mask_ab
+#                                            # (lean vs FA4's element-wise mask),
 #                                            # the 1-GPU bf16 training step (auto = FA4) against fp32
 #   PART=e2e bash benchmarks/gpu_fa4.sh      # long-context multi-turn (trajectories up to ~50k) end to end, 0.6B:
 #                                            # TE THD flat vs tree with FA4, then tree with FlexAttention
@@ -17,9 +19,11 @@ python3 -c "from megatron_tree.fa4_attention import fa4_unavailable_reason as r;
 if [ "${PART:-kernel}" = kernel ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_attention.py 2>&1 \
     | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/fa4_tests.txt"
-  timeout 400 python3 benchmarks/attention_bench.py --out "$OUT" --tag h200_fa4 --variants --skip-dense --iters 5 \
-    --warmup 2 > "$OUT/attention_fa4.log" 2>&1
-  grep -v -i warn "$OUT/attention_fa4.log" | tail -34
+  timeout 400 python3 benchmarks/attention_bench.py --out "$OUT" --tag h200_fa4 --variants --skip-dense --iters 10 \
+    --warmup 3 > "$OUT/attention_fa4.log" 2>&1
+  grep -v -i warn "$OUT/attention_fa4.log" | tail -34 | tee "$OUT/attention_fa4.txt"
+  timeout 200 python3 benchmarks/fa4_host_probe.py --out "$OUT/fa4_host.json" 2>&1 | grep -v -i warn | tail -3
+  timeout 200 python3 benchmarks/fa4_mask_ab.py --out "$OUT/fa4_mask_ab.json" 2>&1 | grep -v -i warn | tail -4
   echo "== 1 GPU bf16 step, auto backend (FA4), each against the fp32 flat step" | tee "$OUT/fa4_bf16_step.txt"
   timeout 200 torchrun --nproc-per-node 1 tests/scripts/schedule_parity.py --ckpt /tmp/ck_b1 --bf16 2>&1 \
     | grep -E "BF16|bf16:|Error|error:" | grep -v -i warn | tee -a "$OUT/fa4_bf16_step.txt"

@@ -1,0 +1,76 @@
+"""Host (CPU) time vs GPU kernel time of one FA4 tree-attention forward + backward, on one CUDA GPU.
+
+    python benchmarks/fa4_host_probe.py --out benchmarks/results/te/fa4_host.json
+
+For the attention_bench workloads at T = 32768 (bf16, 16 / 8 heads, d = 128), per forward + backward:
+``host_ms`` the host's time to issue it (20 calls back to back, no sync, divided by 20), ``throughput_ms`` the
+wall time per call of the same 20 calls once the GPU has finished them, ``kernel_ms`` the sum of the GPU
+kernels' times (torch.profiler). ``throughput_ms`` above ``kernel_ms`` with ``host_ms`` close to it: the call is
+bound by the host, not by the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+import attention_bench as ab  # noqa: E402
+
+from megatron_tree.config_overrides import have_transformer_engine  # noqa: E402
+from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    have_transformer_engine()  # TE first (cuDNN symbols), as in attention_bench
+    dev = torch.device("cuda")
+    result = {"device": torch.cuda.get_device_name(), "calls": args.calls, "workloads": {}}
+    loads = ab.workloads(0)
+    for name in ["grpo", "multi_turn", "no_sharing"]:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        end = ab.fullest_micro_batch(loads[name], ab.SLOTS).attention_mask[0].to(device=dev, dtype=torch.int32)
+        t = end.shape[0]
+        q = ab.leaf((1, ab.HEADS, t, ab.HEAD_DIM), torch.bfloat16, dev, gen)
+        k, v = (ab.leaf((1, ab.KV_HEADS, t, ab.HEAD_DIM), torch.bfloat16, dev, gen) for _ in range(2))
+        g = torch.randn(q.shape, device=dev, generator=gen).to(torch.bfloat16)
+        mask = fa4_tree_mask(end)
+
+        def step():
+            for x in (q, k, v):
+                x.grad = None
+            fa4_tree_attention(q, k, v, mask).backward(g)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                step()
+            torch.cuda.synchronize()
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        row = {"host_ms": (t1 - t0) * 1e3 / args.calls, "throughput_ms": (t2 - t0) * 1e3 / args.calls,
+               "kernel_ms": kernel_us / 1e3 / args.calls}
+        result["workloads"][name] = row
+        print(name, json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
