@@ -176,6 +176,13 @@ def leaf(shape, dtype, device, gen) -> torch.Tensor:
     return torch.randn(shape, device=device, dtype=torch.float32, generator=gen).to(dtype).requires_grad_()
 
 
+def bf16_inputs(t: int, dev, gen) -> tuple[torch.Tensor, ...]:
+    """bf16 leaves q [1, HEADS, t, HEAD_DIM], k / v [1, KV_HEADS, t, HEAD_DIM] and an output gradient like q."""
+    q = leaf((1, HEADS, t, HEAD_DIM), torch.bfloat16, dev, gen)
+    k, v = (leaf((1, KV_HEADS, t, HEAD_DIM), torch.bfloat16, dev, gen) for _ in range(2))
+    return q, k, v, torch.randn(q.shape, device=dev, generator=gen).to(torch.bfloat16)
+
+
 def sdpa_gqa(backend, **kw):
     """SDPA on [b, h, T, d] with ``backend``; expands K/V heads when the backend refuses ``enable_gqa``."""
 
@@ -240,10 +247,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         "causal_pairs": t * (t + 1) // 2,
         **block_stats(end, 128),
     }
-    bf16 = torch.bfloat16
-    q = leaf((1, HEADS, t, HEAD_DIM), bf16, dev, gen)
-    k, v = (leaf((1, KV_HEADS, t, HEAD_DIM), bf16, dev, gen) for _ in range(2))
-    g = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+    q, k, v, g = bf16_inputs(t, dev, gen)
 
     row["block_mask_build_ms"] = wall_time(lambda: tree_block_mask(end.clone()), 3, args.iters)
     end_long = end.long()
@@ -314,10 +318,7 @@ def bench_te_thd(seq_lens, args, dev, gen) -> dict:
     from megatron_tree.chain_attention import te_chain_attention
 
     n = sum(seq_lens)
-    bf16 = torch.bfloat16
-    q = leaf((1, HEADS, n, HEAD_DIM), bf16, dev, gen)
-    k, v = (leaf((1, KV_HEADS, n, HEAD_DIM), bf16, dev, gen) for _ in range(2))
-    g = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+    q, k, v, g = bf16_inputs(n, dev, gen)
     cu = torch.as_tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=dev)
     scale = HEAD_DIM**-0.5
     out = {"flat_te_thd": time_fwd_bwd(lambda q, k, v: te_chain_attention(q, k, v, cu, max(seq_lens), scale=scale),
@@ -358,10 +359,7 @@ def bench_variants(seqs, names, args, dev, gen) -> list[dict]:
     mb = fullest_micro_batch(seqs, SLOTS)
     end = mb.attention_mask[0].to(device=dev, dtype=torch.int32)
     t = end.shape[0]
-    bf16 = torch.bfloat16
-    q = leaf((1, HEADS, t, HEAD_DIM), bf16, dev, gen)
-    k, v = (leaf((1, KV_HEADS, t, HEAD_DIM), bf16, dev, gen) for _ in range(2))
-    g = torch.randn(q.shape, device=dev, generator=gen).to(bf16)
+    q, k, v, g = bf16_inputs(t, dev, gen)
     ref = flex_tree_attention(q, k, v, end).float()
     rows = []
     for name in names:

@@ -39,10 +39,7 @@ def main():
     for name in ["grpo", "multi_turn", "no_sharing"]:
         gen = torch.Generator(device=dev).manual_seed(0)
         end = ab.fullest_micro_batch(loads[name], ab.SLOTS).attention_mask[0].to(device=dev, dtype=torch.int32)
-        t = end.shape[0]
-        q = ab.leaf((1, ab.HEADS, t, ab.HEAD_DIM), torch.bfloat16, dev, gen)
-        k, v = (ab.leaf((1, ab.KV_HEADS, t, ab.HEAD_DIM), torch.bfloat16, dev, gen) for _ in range(2))
-        g = torch.randn(q.shape, device=dev, generator=gen).to(torch.bfloat16)
+        q, k, v, g = ab.bf16_inputs(end.shape[0], dev, gen)
         mask = fa4_tree_mask(end)
 
         def step():

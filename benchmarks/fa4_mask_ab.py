@@ -56,10 +56,7 @@ def main():
         gen = torch.Generator(device=dev).manual_seed(0)
         slots = ab.LONG_WORKLOADS.get(name, ab.SLOTS)
         end = ab.fullest_micro_batch(loads[name], slots).attention_mask[0].to(device=dev, dtype=torch.int32)
-        t = end.shape[0]
-        q = ab.leaf((1, ab.HEADS, t, ab.HEAD_DIM), torch.bfloat16, dev, gen)
-        k, v = (ab.leaf((1, ab.KV_HEADS, t, ab.HEAD_DIM), torch.bfloat16, dev, gen) for _ in range(2))
-        g = torch.randn(q.shape, device=dev, generator=gen).to(torch.bfloat16)
+        q, k, v, g = ab.bf16_inputs(end.shape[0], dev, gen)
         mask = fa4_tree_mask(end)
 
         def lean(q, k, v):

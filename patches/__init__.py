@@ -1,9 +1,10 @@
 """Compatibility patches: the only code here that touches private internals of mbridge,
-megatron-core or transformers.
+megatron-core, transformers or flash-attn-4.
 
-One module per upstream library (``megatron_tree.patches.mbridge``, ``megatron_tree.patches.megatron_core``), one
-small function per problem, each saying which versions need it and checking for itself
-whether this process does. Nothing is applied at import: use the context manager ::
+One module per upstream library (``megatron_tree.patches.mbridge``, ``megatron_tree.patches.megatron_core``,
+``megatron_tree.patches.flash_attn``), one small function per problem, each saying which versions need it
+and checking for itself whether this process does. ``flash_attn`` is applied by the FA4 backend itself
+(:func:`megatron_tree.patches.flash_attn.lean_tree_mask`). Nothing is applied at import: use the context manager ::
 
     with apply_compat_patches():
         bridge = AutoBridge.from_pretrained(path)

@@ -19,6 +19,10 @@ it stay cached under the tree ``mask_mod`` s' own cache hash.
 Mask (as the ``mask_mod`` s in :mod:`megatron_tree.fa4_attention`): query position ``p`` (its row,
 or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``kv`` iff
 ``kv <= p < subtree_end[kv]``.
+
+Imports ``flash_attn.cute`` and the CuTe DSL: imported by :mod:`megatron_tree.fa4_attention` only where
+FA4 runs. Checked on the H200 by ``tests/test_fa4_attention.py`` (against the dense reference and, bit
+for bit, against FA4's element-wise masking of the same predicate).
 """
 
 from __future__ import annotations
