@@ -190,12 +190,9 @@ def fa4_tree_attention(
     :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, d].
     """
     _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(
-            f"the FA4 tree attention kernels run bf16/fp16, got {query.dtype}; use backend='flex' or 'dense' for fp32"
-        )
-    if query.shape[0] != 1:
-        raise ValueError(f"FA4 tree attention takes one micro-batch (b = 1), got b = {query.shape[0]}")
+    problem = _refusal(query)
+    if problem is not None:
+        raise problem
     if mask.aux[0].device != query.device:
         raise ValueError(f"the FA4 tree mask is on {mask.aux[0].device} but query is on {query.device}")
     _require(query.device)
@@ -215,13 +212,29 @@ def fa4_tree_attention(
     return out.transpose(1, 2)
 
 
-def supports(query: torch.Tensor, dropout_p: float) -> bool:
-    """True when :func:`attend` runs this call: bf16/fp16, b = 1, head dim a multiple of 8 in [8, 256], no dropout."""
+def _refusal(query: torch.Tensor, dropout_p: float = 0.0) -> Exception | None:
+    """Why the kernels cannot run this call, as the exception to raise; None when they can (no attention
+    dropout, bf16/fp16, b = 1, head dim a multiple of 8 in [8, 256])."""
+    if dropout_p:
+        return ValueError(
+            f"the fa4 tree attention backend has no attention dropout (got {dropout_p}); set "
+            f"attention_dropout=0 or use backend='dense'"
+        )
     d = query.shape[-1]
-    return (
-        query.dtype in (torch.bfloat16, torch.float16) and query.shape[0] == 1 and 8 <= d <= 256 and d % 8 == 0
-        and not dropout_p
-    )
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return TypeError(
+            f"the FA4 tree attention kernels run bf16/fp16, got {query.dtype}; use backend='flex' or 'dense' for fp32"
+        )
+    if query.shape[0] != 1:
+        return ValueError(f"FA4 tree attention takes one micro-batch (b = 1), got b = {query.shape[0]}")
+    if d % 8 or not 8 <= d <= 256:
+        return ValueError(f"the fa4 tree attention backend needs a head dim that is a multiple of 8 in [8, 256], got {d}")
+    return None
+
+
+def supports(query: torch.Tensor, dropout_p: float) -> bool:
+    """True when :func:`attend` runs this call (``auto`` asks before picking FA4)."""
+    return _refusal(query, dropout_p) is None
 
 
 def check_model(bf16_or_fp16: bool, dropout_p: float) -> None:
@@ -247,11 +260,5 @@ def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) 
 def attend(query, key, value, prepared, *, scale, dropout_p):
     """Backend ``attend``: query ``[1, np, Tq, hn]``, key/value ``[1, ng, T, hn]`` -> ``[1, np, Tq, hn]``."""
     if dropout_p:
-        raise ValueError(
-            f"the fa4 tree attention backend has no attention dropout (got {dropout_p}); set "
-            f"attention_dropout=0 or use backend='dense'"
-        )
-    d = query.shape[-1]
-    if d % 8 or not 8 <= d <= 256:
-        raise ValueError(f"the fa4 tree attention backend needs a head dim that is a multiple of 8 in [8, 256], got {d}")
+        raise _refusal(query, dropout_p)
     return fa4_tree_attention(query, key, value, prepared, softmax_scale=scale)

@@ -43,8 +43,6 @@ from ._attr import AttrPatch
 _KINDS: dict[int, bool] = {}
 """id(mask_mod) -> whether it reads query slots (aux_tensors[1])."""
 _ORIGINAL_APPLY_MASK = AttentionMask.apply_mask
-_SWAP = AttrPatch(AttentionMask, "apply_mask", None,
-                  why="one subtree_end load per accumulator column for the tree mask_mods (SM90)")
 
 
 def lean_tree_mask(tree_mask: Callable, tree_mask_query_slots: Callable) -> None:
@@ -53,8 +51,7 @@ def lean_tree_mask(tree_mask: Callable, tree_mask_query_slots: Callable) -> None
     _KINDS[id(tree_mask_query_slots)] = True
     for fn, tag in ((tree_mask, "tree"), (tree_mask_query_slots, "tree_slots")):
         fn.__cute_hash__ = f"megatron_tree.{tag}.lean_sm90_mask.v1"
-    if _SWAP.new is None:
-        _SWAP.new = _apply_mask
+    if vars(AttentionMask)["apply_mask"] is not _apply_mask:
         _SWAP.apply()
 
 
@@ -104,3 +101,7 @@ def _apply_mask(self, acc_S: cute.Tensor, batch_idx: cutlass.Int32, head_idx: cu
     else:
         _ORIGINAL_APPLY_MASK(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma, mask_seqlen,
                              mask_causal, mask_local, mask_mod, aux_data, fastdiv_mods)
+
+
+_SWAP = AttrPatch(AttentionMask, "apply_mask", _apply_mask,
+                  why="one subtree_end load per accumulator column for the tree mask_mods (SM90)")

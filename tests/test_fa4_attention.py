@@ -166,6 +166,20 @@ def test_fa4_refuses_fp32():
         fa4_tree_attention(q, k, k, fa4_tree_mask(end))
 
 
+def test_fa4_call_checks_name_each_refusal():
+    """What ``auto`` asks (``supports``) and what ``attend`` raises come from one check (no GPU needed)."""
+    from megatron_tree.fa4_attention import attend, supports
+
+    q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
+    assert supports(q, 0.0)
+    assert not supports(q, 0.1)
+    assert not supports(q.float(), 0.0)
+    assert not supports(torch.zeros(2, 4, 8, 128, dtype=torch.bfloat16), 0.0)
+    assert not supports(torch.zeros(1, 4, 8, 100, dtype=torch.bfloat16), 0.0)
+    with pytest.raises(ValueError, match="no attention dropout"):
+        attend(q, q, q, None, scale=1.0, dropout_p=0.1)
+
+
 def test_fa4_unavailable_reason_is_explicit():
     reason = fa4_unavailable_reason()
     if reason is not None:
