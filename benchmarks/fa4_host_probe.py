@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import attention_bench as ab  # noqa: E402
 
 from megatron_tree.config_overrides import have_transformer_engine  # noqa: E402
-from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask  # noqa: E402
+from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason  # noqa: E402
 
 
 def main():
@@ -32,6 +32,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()
+    reason = fa4_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(reason)
     have_transformer_engine()  # TE first (cuDNN symbols), as in attention_bench
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(), "calls": args.calls, "workloads": {}}
