@@ -16,6 +16,14 @@ them), and the bounds checks folded into those per-row / per-column values. Ever
 once and never reverted: it changes nothing for any other caller, and kernels compiled with
 it stay cached under the tree ``mask_mod`` s' own cache hash.
 
+With grouped K/V heads (GQA), FA4's backward adds each query head's dK / dV into fp32 buffers of the
+K/V heads with atomics, after zero-filling them, and converts them in two more kernels. For the tree
+``mask_mod`` s with two query heads per K/V head, ``_flash_attn_bwd`` instead runs on K/V repeated to the
+query heads (the kernel then writes each head's dK / dV directly) and adds the two heads' dK / dV
+(each rounded to bf16 once before the add): the tree kernels' key tiles are short (a mean of 23 / 15
+query tiles per key tile on the 32k GRPO / multi-turn trees), so the atomic epilogue, the fills and the
+conversions cost more than the two copies and the add (two small Triton kernels, any memory order).
+
 Mask (as the ``mask_mod`` s in :mod:`megatron_tree.fa4_attention`): query position ``p`` (its row,
 or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``kv`` iff
 ``kv <= p < subtree_end[kv]``.
@@ -31,7 +39,11 @@ from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
+import torch
+import triton
+import triton.language as tl
 from cutlass import Float32, Int32, const_expr
+from flash_attn.cute import interface as fa4_interface
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
@@ -46,13 +58,14 @@ _ORIGINAL_APPLY_MASK = AttentionMask.apply_mask
 
 
 def lean_tree_mask(tree_mask: Callable, tree_mask_query_slots: Callable) -> None:
-    """Register the two tree ``mask_mod`` s and swap FA4's SM90 ``apply_mask`` (once per process)."""
+    """Register the two tree ``mask_mod`` s; swap FA4's SM90 ``apply_mask`` and its backward entry (once per process)."""
     _KINDS[id(tree_mask)] = False
     _KINDS[id(tree_mask_query_slots)] = True
     for fn, tag in ((tree_mask, "tree"), (tree_mask_query_slots, "tree_slots")):
         fn.__cute_hash__ = f"megatron_tree.{tag}.lean_sm90_mask.v1"
-    if vars(AttentionMask)["apply_mask"] is not _apply_mask:
-        _SWAP.apply()
+    for patch in _SWAPS:
+        if vars(patch.owner)[patch.name] is not patch.new:
+            patch.apply()
 
 
 @cute.jit
@@ -103,5 +116,73 @@ def _apply_mask(self, acc_S: cute.Tensor, batch_idx: cutlass.Int32, head_idx: cu
                              mask_causal, mask_local, mask_mod, aux_data, fastdiv_mods)
 
 
-_SWAP = AttrPatch(AttentionMask, "apply_mask", _apply_mask,
-                  why="one subtree_end load per accumulator column for the tree mask_mods (SM90)")
+_ORIGINAL_BWD = fa4_interface._flash_attn_bwd
+
+
+def _bwd_per_query_head(q, k, v, out, dout, lse, *args, mask_mod=None, **kwargs):
+    """FA4's ``_flash_attn_bwd`` (q / out / dout [b, Tq, h, d], k / v [b, T, hkv, d]); for a tree ``mask_mod``
+    with two query heads per K/V head, run on K/V repeated to the h query heads (head i reads K/V head i // 2,
+    as FA4's GQA) and return each dK / dV as the sum of its two query heads' (fp32 add, one rounding).
+    Other groupings keep FA4's GQA backward (not measured here)."""
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if id(mask_mod) not in _KINDS or heads != 2 * kv_heads:
+        return _ORIGINAL_BWD(q, k, v, out, dout, lse, *args, mask_mod=mask_mod, **kwargs)
+    dq, dk, dv, *rest = _ORIGINAL_BWD(q, _pairs(k, _repeat_pairs), _pairs(v, _repeat_pairs), out, dout, lse, *args,
+                                      mask_mod=mask_mod, **kwargs)
+    return (dq, _pairs(dk, _sum_pairs, like=k), _pairs(dv, _sum_pairs, like=v), *rest)
+
+
+def _pairs(x: torch.Tensor, kernel, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``_repeat_pairs`` (like None): x [b, T, hkv, d] -> [b, T, 2 hkv, d], head i = x's head i // 2, in x's memory
+    order (head-major, or token-major as Megatron's [T, b, hkv, d]); ``_sum_pairs``: x [b, T, 2 hkv, d] ->
+    [b, T, hkv, d] laid out as ``like``, head j = x's heads 2j + 2j+1 added in fp32."""
+    b, t, h, d = x.shape
+    if like is None:
+        y = torch.empty(b, 2 * h, t, d, dtype=x.dtype, device=x.device).transpose(1, 2) if x.stride(2) > x.stride(1) \
+            else torch.empty(b, t, 2 * h, d, dtype=x.dtype, device=x.device)
+        src_heads = h
+    else:
+        y = torch.empty_like(like)
+        src_heads = h // 2
+    assert x.stride(-1) == 1 and y.stride(-1) == 1
+    block_t = 32
+    kernel[(triton.cdiv(t, block_t), src_heads, b)](
+        x, y, t, *x.stride()[:3], *y.stride()[:3], D=d, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d))
+    return y
+
+
+@triton.jit
+def _repeat_pairs(x, y, t, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    inside = (rows < t) & (cols < D)
+    vals = tl.load(x + batch * sx_b + head * sx_h + rows * sx_t + cols, mask=inside)
+    dst = y + batch * sy_b + 2 * head * sy_h + rows * sy_t + cols
+    tl.store(dst, vals, mask=inside)
+    tl.store(dst + sy_h, vals, mask=inside)
+
+
+@triton.jit
+def _sum_pairs(x, y, t, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, D: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    inside = (rows < t) & (cols < D)
+    src = x + batch * sx_b + 2 * head * sx_h + rows * sx_t + cols
+    total = tl.load(src, mask=inside).to(tl.float32) + tl.load(src + sx_h, mask=inside).to(tl.float32)
+    total = total.to(y.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(y + batch * sy_b + head * sy_h + rows * sy_t + cols, total, mask=inside)
+
+
+# FA4's _flash_attn_bwd finds its kernel cache as an attribute of the function its module name holds (ours).
+_bwd_per_query_head.compile_cache = _ORIGINAL_BWD.compile_cache
+
+_SWAPS = (
+    AttrPatch(AttentionMask, "apply_mask", _apply_mask,
+              why="one subtree_end load per accumulator column for the tree mask_mods (SM90)"),
+    AttrPatch(fa4_interface, "_flash_attn_bwd", _bwd_per_query_head,
+              why="grouped K/V heads: backward per query head, dK / dV summed, for the tree mask_mods"),
+)

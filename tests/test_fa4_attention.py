@@ -124,11 +124,10 @@ def _elementwise_tree_mask_mods():
     return tree, tree_slots
 
 
-@requires_fa4
-@pytest.mark.parametrize("query_slots", [False, True])
-def test_lean_mask_equals_fa4_elementwise_mask(query_slots):
-    """patches/flash_attn.py's lean mask (our mask_mods) against FA4's own element-wise masking of the same
-    predicate: identical out / dk / dv bits, dq up to the order of its atomic adds."""
+def _lean_and_elementwise(query_slots: bool, heads: int, kv_heads: int, token_major: bool = False):
+    """out / dq / dk / dv of fa4_tree_attention (our registered mask_mods) and of FA4's flash_attn_func with the
+    unregistered copies (FA4's element-wise mask, FA4's GQA backward) on the same bf16 inputs ([1, h, T, d]
+    head-major in memory, or token-major as Megatron's [T, 1, h, d] permuted)."""
     from flash_attn.cute.interface import flash_attn_func
 
     end = _tree("multi_turn")
@@ -137,7 +136,9 @@ def test_lean_mask_equals_fa4_elementwise_mask(query_slots):
     if query_slots:
         slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))[: t // 2]
     tq = t if slots is None else slots.numel()
-    base = _inputs(t, tq, 16, 8, 128, seed=4)
+    base = _inputs(t, tq, heads, kv_heads, 128, seed=4)
+    if token_major:
+        base = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in base]
     prepared = fa4_tree_mask(end, slots)
     lean = _run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16)
     tree, tree_slots = _elementwise_tree_mask_mods()
@@ -148,12 +149,66 @@ def test_lean_mask_equals_fa4_elementwise_mask(query_slots):
                                block_sparse_tensors=prepared.forward,
                                block_sparse_tensors_bwd=prepared.backward)[0].transpose(1, 2)
 
-    ref = _run(elementwise, base, torch.bfloat16)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), lean, ref):
-        if name == "dq":
-            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
-        else:
-            assert torch.equal(a, b), f"{name}: lean mask differs from FA4's element-wise mask"
+    return lean, _run(elementwise, base, torch.bfloat16)
+
+
+def _assert_dq_close(a, b):
+    """dq is accumulated with fp32 atomic adds in an order that varies from run to run."""
+    torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+
+
+@requires_fa4
+@pytest.mark.parametrize("query_slots", [False, True])
+def test_lean_mask_equals_fa4_elementwise_mask(query_slots):
+    """patches/flash_attn.py's lean mask (our mask_mods) against FA4's own element-wise masking of the same
+    predicate, one K/V head per query head (the same kernels otherwise): identical out / dk / dv bits, dq up to
+    the order of its atomic adds."""
+    lean, ref = _lean_and_elementwise(query_slots, 16, 16)
+    _assert_dq_close(lean[1], ref[1])
+    for name, a, b in zip(("out", "dk", "dv"), lean[::2] + lean[3:], ref[::2] + ref[3:]):
+        assert torch.equal(a, b), f"{name}: lean mask differs from FA4's element-wise mask"
+
+
+@requires_fa4
+@pytest.mark.parametrize("token_major", [False, True])
+def test_grouped_kv_backward_runs_per_query_head(monkeypatch, token_major):
+    """GQA (16 query, 8 K/V heads): the tree backward runs FA4's kernel on K/V repeated to the query heads and
+    sums dK / dV per group (patches/flash_attn.py), FA4's own GQA backward accumulates them in fp32. Same out
+    bits, dq up to atomic order, dK / dV within the extra bf16 rounding of each query head's share."""
+    from megatron_tree.patches import flash_attn as patch
+
+    kv_heads_seen = []
+    original = patch._ORIGINAL_BWD
+    monkeypatch.setattr(patch, "_ORIGINAL_BWD", lambda q, k, *a, **kw: kv_heads_seen.append(k.shape[-2]) or
+                        original(q, k, *a, **kw))
+    lean, ref = _lean_and_elementwise(False, 16, 8, token_major)
+    assert kv_heads_seen == [16, 8], "the tree backward should run on K/V repeated to 16 heads, FA4's on 8"
+    assert torch.equal(lean[0], ref[0])
+    _assert_dq_close(lean[1], ref[1])
+    for name, a, b in zip(("dk", "dv"), lean[2:], ref[2:]):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-6 * scale, msg=lambda m: f"{name}: {m}")
+
+
+@requires_fa4
+@pytest.mark.parametrize("head_major", [True, False])
+def test_head_pair_kernels_are_exact(head_major):
+    """The per-query-head backward's two Triton kernels: K/V repeated to head pairs (bit copies) and dK / dV pairs
+    added (fp32 sum rounded once to bf16), on a ragged T and a head dim that is not a power of two."""
+    from megatron_tree.patches import flash_attn as patch
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    heads_first = torch.randn(2, 4, 301, 96, device="cuda", generator=g).bfloat16()  # [b, hkv, T, d]
+    x = heads_first.transpose(1, 2) if head_major else heads_first.transpose(1, 2).contiguous()
+    repeated = patch._pairs(x, patch._repeat_pairs)
+    assert torch.equal(repeated, x.repeat_interleave(2, dim=2))
+    assert (repeated.stride(2) > repeated.stride(1)) == head_major
+    grads = torch.randn(2, 301, 8, 96, device="cuda", generator=g).bfloat16()
+    if head_major:
+        grads = grads.transpose(1, 2).contiguous().transpose(1, 2)
+    summed = patch._pairs(grads, patch._sum_pairs, like=x)
+    assert summed.stride() == x.stride()
+    assert torch.equal(summed, grads.float().unflatten(2, (4, 2)).sum(3).bfloat16())
 
 
 @requires_fa4
