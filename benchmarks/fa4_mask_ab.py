@@ -1,12 +1,13 @@
-"""The lean Hopper tree mask (``patches/flash_attn.py``) against FA4's element-wise ``mask_mod``, one CUDA GPU.
+"""The patched Hopper path for the tree ``mask_mod`` s (``patches/flash_attn.py``) against FA4's own, one CUDA GPU.
 
     python benchmarks/fa4_mask_ab.py --out benchmarks/results/te/fa4_mask_ab.json
 
-Same block tables, inputs and kernels; ``lean`` is ``fa4_tree_attention`` (our registered ``mask_mod``), ``generic``
-calls FA4's ``flash_attn_func`` with an identical but unregistered ``mask_mod``, which FA4 applies element by
-element. Per attention_bench workload: forward and forward + backward ms of each (``attention_bench.time_fwd_bwd``,
-10 calls after 3) and the largest relative difference of out / dq / dk / dv (dq: order of atomic adds).
-"""
+Same block tables and inputs; ``lean`` is ``fa4_tree_attention`` (our registered ``mask_mod``: the lean mask and,
+with two query heads per K/V head, the backward per query head), ``generic`` calls FA4's ``flash_attn_func`` with an
+identical but unregistered ``mask_mod``, which FA4 applies element by element, with its own GQA backward. Per
+attention_bench workload: forward and forward + backward ms of each (``attention_bench.time_fwd_bwd``, 10 calls
+after 3) and the largest relative difference of out / dq / dk / dv (dq: order of atomic adds; dk / dv: the
+per-query-head backward rounds each head's share to bf16 before adding)."""
 
 from __future__ import annotations
 

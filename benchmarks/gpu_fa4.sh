@@ -2,8 +2,9 @@
 # The FA4 tree attention backend on the GPU host (after benchmarks/fa4_stage.sh unpack-a / unpack-b; TE carried).
 #
 #   PART=kernel bash benchmarks/gpu_fa4.sh   # GPU tests, attention_bench (4 workloads, TE THD and cuDNN refs),
+#                                            # fa4_kernel_profile (the kernels of one tree call),
 #                                            # fa4_host_probe (host vs kernel time of a tree call), fa4_mask_ab
-#                                            # (lean vs FA4's element-wise mask),
+#                                            # (patched vs FA4's own mask_mod path),
 #                                            # the 1-GPU bf16 training step (auto = FA4) against fp32
 #   PART=e2e bash benchmarks/gpu_fa4.sh      # long-context multi-turn (trajectories up to ~50k) end to end, 0.6B:
 #                                            # TE THD flat vs tree with FA4, then tree with FlexAttention
@@ -22,6 +23,7 @@ if [ "${PART:-kernel}" = kernel ]; then
   timeout 400 python3 benchmarks/attention_bench.py --out "$OUT" --tag h200_fa4 --variants --skip-dense --iters 10 \
     --warmup 3 > "$OUT/attention_fa4.log" 2>&1
   grep -v -i warn "$OUT/attention_fa4.log" | tail -34 | tee "$OUT/attention_fa4.txt"
+  timeout 100 python3 benchmarks/fa4_kernel_profile.py --out "$OUT/fa4_profile.txt" 2>&1 | grep -v -i warn | tail -3
   timeout 200 python3 benchmarks/fa4_host_probe.py --out "$OUT/fa4_host.json" 2>&1 | grep -v -i warn | tail -3
   timeout 200 python3 benchmarks/fa4_mask_ab.py --out "$OUT/fa4_mask_ab.json" 2>&1 | grep -v -i warn | tail -4
   echo "== 1 GPU bf16 step, auto backend (FA4), each against the fp32 flat step" | tee "$OUT/fa4_bf16_step.txt"

@@ -129,7 +129,7 @@ def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
 def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
     # The fastest kernel that computes this call, in order (benchmarks/attention_bench.py, H200):
     # bf16/fp16 -> FA4's block-sparse kernels (with or without branches: on the no-sharing batch
-    # they beat TE's cuDNN THD varlen attention, 1.78 vs 2.27 ms); without FA4, a micro-batch
+    # they beat TE's cuDNN THD varlen attention, 1.67 vs 2.25 ms); without FA4, a micro-batch
     # without a branch in bf16/fp16 -> TE's cuDNN varlen attention; else FlexAttention (CUDA, b = 1,
     # head dim >= 16, no dropout; fp32 included); else the dense reference.
     masks = prepared["masks"]

@@ -1,0 +1,77 @@
+"""The GPU kernels of one FA4 tree-attention forward + backward, with their grids and times, on one CUDA GPU.
+
+    python benchmarks/fa4_kernel_profile.py --out benchmarks/results/te/fa4_profile.txt
+
+attention_bench's GRPO and multi-turn trees at T = 32768 (bf16, 16 / 8 heads, d = 128; q / k / v head-major as
+the bench makes them), and GRPO again with token-major q / k / v (Megatron's [T, b, h, d] permuted, as the model
+calls it). After three warm-up calls, one call under torch.profiler: one line per kernel
+(``<workload> <layout> <kernel name> <grid> us <time>``) and the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+import attention_bench as ab  # noqa: E402
+
+from megatron_tree.config_overrides import have_transformer_engine  # noqa: E402
+from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason  # noqa: E402
+
+
+def kernel_lines(step, label: str) -> list[str]:
+    """Profile one ``step()``; one line per GPU kernel and the total."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    lines = [f"{label} {e['name'][:70]} {e['args'].get('grid')} us {e['dur']}" for e in events]
+    return lines + [f"{label} kernel total us {sum(e['dur'] for e in events)}"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    reason = fa4_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(reason)
+    have_transformer_engine()  # TE first (cuDNN symbols), as in attention_bench
+    dev = torch.device("cuda")
+    loads = ab.workloads(0)
+    lines = []
+    for name, layout in [("grpo", "head-major"), ("multi_turn", "head-major"), ("grpo", "token-major")]:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        end = ab.fullest_micro_batch(loads[name], ab.SLOTS).attention_mask[0].to(device=dev, dtype=torch.int32)
+        q, k, v, g = ab.bf16_inputs(end.shape[0], dev, gen)
+        if layout == "token-major":
+            q, k, v = (x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_() for x in (q, k, v))
+        mask = fa4_tree_mask(end)
+
+        def step():
+            for x in (q, k, v):
+                x.grad = None
+            fa4_tree_attention(q, k, v, mask).backward(g)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        lines += kernel_lines(step, f"{name} {layout}")
+        print(lines[-1], flush=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
