@@ -183,6 +183,43 @@ def bf16_inputs(t: int, dev, gen) -> tuple[torch.Tensor, ...]:
     return q, k, v, torch.randn(q.shape, device=dev, generator=gen).to(torch.bfloat16)
 
 
+def fa4_harness_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The FA4 harnesses' start: add ``--out``, parse, exit with the reason where FA4 cannot run, and import
+    Transformer Engine first where it is installed (its cuDNN symbols), as :func:`main` does."""
+    from megatron_tree.config_overrides import have_transformer_engine
+    from megatron_tree.fa4_attention import fa4_unavailable_reason
+
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    reason = fa4_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(reason)
+    have_transformer_engine()
+    return args
+
+
+def fa4_tree_step(seqs: list[np.ndarray], slots: int, dev, token_major: bool = False):
+    """``step()``: one ``fa4_tree_attention`` forward + backward (q / k / v gradients cleared first) on the fullest
+    micro-batch of ``seqs`` at ``slots``, bf16 inputs seeded 0 (head-major, or token-major as Megatron's
+    [T, b, h, d] permuted), warmed up three times."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    end = fullest_micro_batch(seqs, slots).attention_mask[0].to(device=dev, dtype=torch.int32)
+    q, k, v, g = bf16_inputs(end.shape[0], dev, gen)
+    if token_major:
+        q, k, v = (x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_() for x in (q, k, v))
+    mask = fa4_tree_mask(end)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        fa4_tree_attention(q, k, v, mask).backward(g)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    return step
+
+
 def sdpa_gqa(backend, **kw):
     """SDPA on [b, h, T, d] with ``backend``; expands K/V heads when the backend refuses ``enable_gqa``."""
 

@@ -23,36 +23,16 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 import attention_bench as ab  # noqa: E402
 
-from megatron_tree.config_overrides import have_transformer_engine  # noqa: E402
-from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason  # noqa: E402
-
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
     parser.add_argument("--calls", type=int, default=20)
-    args = parser.parse_args()
-    reason = fa4_unavailable_reason()
-    if reason is not None:
-        raise SystemExit(reason)
-    have_transformer_engine()  # TE first (cuDNN symbols), as in attention_bench
+    args = ab.fa4_harness_args(parser)
     dev = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(), "calls": args.calls, "workloads": {}}
     loads = ab.workloads(0)
     for name in ["grpo", "multi_turn", "no_sharing"]:
-        gen = torch.Generator(device=dev).manual_seed(0)
-        end = ab.fullest_micro_batch(loads[name], ab.SLOTS).attention_mask[0].to(device=dev, dtype=torch.int32)
-        q, k, v, g = ab.bf16_inputs(end.shape[0], dev, gen)
-        mask = fa4_tree_mask(end)
-
-        def step():
-            for x in (q, k, v):
-                x.grad = None
-            fa4_tree_attention(q, k, v, mask).backward(g)
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
+        step = ab.fa4_tree_step(loads[name], ab.SLOTS, dev)
         t0 = time.perf_counter()
         for _ in range(args.calls):
             step()

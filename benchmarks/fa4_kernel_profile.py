@@ -22,9 +22,6 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 import attention_bench as ab  # noqa: E402
 
-from megatron_tree.config_overrides import have_transformer_engine  # noqa: E402
-from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason  # noqa: E402
-
 
 def kernel_lines(step, label: str) -> list[str]:
     """Profile one ``step()``; one line per GPU kernel and the total."""
@@ -41,32 +38,12 @@ def kernel_lines(step, label: str) -> list[str]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    reason = fa4_unavailable_reason()
-    if reason is not None:
-        raise SystemExit(reason)
-    have_transformer_engine()  # TE first (cuDNN symbols), as in attention_bench
+    args = ab.fa4_harness_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     dev = torch.device("cuda")
     loads = ab.workloads(0)
     lines = []
     for name, layout in [("grpo", "head-major"), ("multi_turn", "head-major"), ("grpo", "token-major")]:
-        gen = torch.Generator(device=dev).manual_seed(0)
-        end = ab.fullest_micro_batch(loads[name], ab.SLOTS).attention_mask[0].to(device=dev, dtype=torch.int32)
-        q, k, v, g = ab.bf16_inputs(end.shape[0], dev, gen)
-        if layout == "token-major":
-            q, k, v = (x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_() for x in (q, k, v))
-        mask = fa4_tree_mask(end)
-
-        def step():
-            for x in (q, k, v):
-                x.grad = None
-            fa4_tree_attention(q, k, v, mask).backward(g)
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
+        step = ab.fa4_tree_step(loads[name], ab.SLOTS, dev, token_major=layout == "token-major")
         lines += kernel_lines(step, f"{name} {layout}")
         print(lines[-1], flush=True)
     with open(args.out, "w") as f:

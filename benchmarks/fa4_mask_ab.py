@@ -21,8 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import attention_bench as ab  # noqa: E402
 
-from megatron_tree.config_overrides import have_transformer_engine  # noqa: E402
-from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason  # noqa: E402
+from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask  # noqa: E402
 
 
 def _generic_tree_mask():
@@ -39,13 +38,7 @@ def _generic_tree_mask():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    reason = fa4_unavailable_reason()
-    if reason is not None:
-        raise SystemExit(reason)
-    have_transformer_engine()  # TE first (cuDNN symbols), as in attention_bench
+    args = ab.fa4_harness_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     from flash_attn.cute.interface import flash_attn_func
 
     generic_mask = _generic_tree_mask()
