@@ -1,4 +1,4 @@
-"""flash-attn-4 (``flash_attn.cute``, pinned 4.0.0b36): a lean mask for the tree ``mask_mod`` s on Hopper.
+"""flash-attn-4 (``flash_attn.cute``, pinned 4.0.0b36): a lean mask and a per-query-head GQA backward for the tree ``mask_mod`` s.
 
 FA4's SM90 kernels apply a FlexAttention-style ``mask_mod`` element by element
 (``AttentionMask.apply_mask``): for each of a thread's accumulator elements they wrap both
@@ -29,8 +29,9 @@ or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``k
 ``kv <= p < subtree_end[kv]``.
 
 Imports ``flash_attn.cute`` and the CuTe DSL: imported by :mod:`megatron_tree.fa4_attention` only where
-FA4 runs. Checked on the H200 by ``tests/test_fa4_attention.py`` (against the dense reference and, bit
-for bit, against FA4's element-wise masking of the same predicate).
+FA4 runs. Checked on the H200 by ``tests/test_fa4_attention.py`` (against the dense reference; bit for bit
+against FA4's element-wise masking of the same predicate; the GQA backward against FA4's own, and its two
+Triton kernels bit for bit against torch).
 """
 
 from __future__ import annotations
