@@ -128,26 +128,32 @@ def _bwd_per_query_head(q, k, v, out, dout, lse, *args, mask_mod=None, **kwargs)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if id(mask_mod) not in _KINDS or heads != 2 * kv_heads:
         return _ORIGINAL_BWD(q, k, v, out, dout, lse, *args, mask_mod=mask_mod, **kwargs)
-    dq, dk, dv, *rest = _ORIGINAL_BWD(q, _pairs(k, _repeat_pairs), _pairs(v, _repeat_pairs), out, dout, lse, *args,
+    dq, dk, dv, *rest = _ORIGINAL_BWD(q, _repeat_heads(k), _repeat_heads(v), out, dout, lse, *args,
                                       mask_mod=mask_mod, **kwargs)
-    return (dq, _pairs(dk, _sum_pairs, like=k), _pairs(dv, _sum_pairs, like=v), *rest)
+    return (dq, _add_head_pairs(dk, like=k), _add_head_pairs(dv, like=v), *rest)
 
 
-def _pairs(x: torch.Tensor, kernel, like: torch.Tensor | None = None) -> torch.Tensor:
-    """``_repeat_pairs`` (like None): x [b, T, hkv, d] -> [b, T, 2 hkv, d], head i = x's head i // 2, in x's memory
-    order (head-major, or token-major as Megatron's [T, b, hkv, d]); ``_sum_pairs``: x [b, T, 2 hkv, d] ->
-    [b, T, hkv, d] laid out as ``like``, head j = x's heads 2j + 2j+1 added in fp32."""
+def _repeat_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [b, T, hkv, d] -> [b, T, 2 hkv, d], head i = x's head i // 2, in x's memory order (head-major, or
+    token-major as Megatron's [T, b, hkv, d])."""
     b, t, h, d = x.shape
-    if like is None:
-        y = torch.empty(b, 2 * h, t, d, dtype=x.dtype, device=x.device).transpose(1, 2) if x.stride(2) > x.stride(1) \
-            else torch.empty(b, t, 2 * h, d, dtype=x.dtype, device=x.device)
-        src_heads = h
-    else:
-        y = torch.empty_like(like)
-        src_heads = h // 2
+    head_major = x.stride(2) > x.stride(1)
+    y = torch.empty(b, 2 * h, t, d, dtype=x.dtype, device=x.device).transpose(1, 2) if head_major \
+        else torch.empty(b, t, 2 * h, d, dtype=x.dtype, device=x.device)
+    return _launch(_repeat_pairs, x, y, h)
+
+
+def _add_head_pairs(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x [b, T, 2 hkv, d] -> [b, T, hkv, d] laid out as ``like``, head j = x's heads 2j + 2j+1 added in fp32."""
+    return _launch(_sum_pairs, x, torch.empty_like(like), like.shape[2])
+
+
+def _launch(kernel, x: torch.Tensor, y: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Run ``kernel`` over x -> y, one program per (32 rows, K/V head, batch); returns y."""
     assert x.stride(-1) == 1 and y.stride(-1) == 1
+    b, t, _, d = x.shape
     block_t = 32
-    kernel[(triton.cdiv(t, block_t), src_heads, b)](
+    kernel[(triton.cdiv(t, block_t), kv_heads, b)](
         x, y, t, *x.stride()[:3], *y.stride()[:3], D=d, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d))
     return y
 

@@ -200,13 +200,13 @@ def test_head_pair_kernels_are_exact(head_major):
     g = torch.Generator(device="cuda").manual_seed(6)
     heads_first = torch.randn(2, 4, 301, 96, device="cuda", generator=g).bfloat16()  # [b, hkv, T, d]
     x = heads_first.transpose(1, 2) if head_major else heads_first.transpose(1, 2).contiguous()
-    repeated = patch._pairs(x, patch._repeat_pairs)
+    repeated = patch._repeat_heads(x)
     assert torch.equal(repeated, x.repeat_interleave(2, dim=2))
     assert (repeated.stride(2) > repeated.stride(1)) == head_major
     grads = torch.randn(2, 301, 8, 96, device="cuda", generator=g).bfloat16()
     if head_major:
         grads = grads.transpose(1, 2).contiguous().transpose(1, 2)
-    summed = patch._pairs(grads, patch._sum_pairs, like=x)
+    summed = patch._add_head_pairs(grads, like=x)
     assert summed.stride() == x.stride()
     assert torch.equal(summed, grads.float().unflatten(2, (4, 2)).sum(3).bfloat16())
 
