@@ -15,16 +15,21 @@ tensor's memory, so the layers of a model and their recomputation share it. One 
 backend, registered here by name (:func:`register_tree_attention_backend` adds more):
 
 * ``"dense"`` (:mod:`megatron_tree.dense_attention`): SDPA with the materialised mask; the
-  reference, any device, dtype and dropout.
+  reference, any device, dtype, head dims and dropout.
 * ``"flex"`` (:mod:`megatron_tree.flex_attention`): block-sparse FlexAttention (Triton) from the
   interval vector; CUDA, b = 1, no attention dropout, fp32 included.
 * ``"fa4"`` (:mod:`megatron_tree.fa4_attention`): FlashAttention-4's block-sparse CuTe kernels;
-  Hopper/Blackwell with ``flash-attn-4``, bf16/fp16, b = 1, no attention dropout.
-* ``"auto"`` (the default) picks per call the fastest that computes it: ``"fa4"`` for bf16/fp16
-  where it runs; else, for a micro-batch without a branch (a forest of chains) in bf16/fp16,
-  Transformer Engine's cuDNN varlen attention when TE is installed
-  (:mod:`megatron_tree.chain_attention`); else ``"flex"`` (CUDA, b = 1, head dim >= 16, no
-  dropout; fp32 too), else ``"dense"``.
+  Hopper with ``flash-attn-4``, bf16, b = 1, no attention dropout.
+* ``"auto"`` (the default) picks per call the fastest backend proven exact on it: ``"fa4"``; for a
+  micro-batch without a branch (a forest of chains) where FA4 does not run, Transformer Engine's
+  cuDNN varlen attention (:mod:`megatron_tree.chain_attention`); ``"flex"``; else ``"dense"``.
+
+No kernel is trusted beyond the shapes whose gradients a GPU test compared: each backend module
+has a ``PROVEN`` table (:class:`~megatron_tree.attention_shapes.ProvenShapes`: head dim, v head
+dim, GQA ratio, dtype, GPU generation; FA4 also its pinned version) and runs a call on the proven
+kernel shape that fits it (head dims zero-padded, K/V heads repeated) or not at all. ``auto``
+warns once per shape when it passes over an installed fast kernel for that reason;
+:mod:`megatron_tree.attention_conformance` is the GPU check that proves a backend on more shapes.
 
 Context parallel (CP > 1, :mod:`megatron_tree.context_parallel`): each rank holds s of the
 micro-batch's T slots and ``attention_mask`` is ``cat(slot_order, subtree_end)`` int ``[1, 2T]``.
@@ -35,6 +40,7 @@ queries (global slots ``slot_order[rank * s:(rank + 1) * s]``) attend to all T k
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -46,6 +52,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tree import chain_attention, dense_attention, fa4_attention, flex_attention
+from megatron_tree.attention_shapes import AttentionShape, device_generation
 from megatron_tree.config_overrides import have_transformer_engine
 
 __all__ = [
@@ -68,14 +75,20 @@ class TreeAttentionBackend:
         ``attend`` needs; it is computed once per micro-batch and cached, so build the expensive
         parts here.
     attend(query, key, value, prepared, *, scale, dropout_p) -> Tensor
-        ``query [b, np, sq, hn]``, ``key``/``value [b, ng, s, hn]`` (GQA: np % ng == 0, query head h
-        reads key/value head ``h // (np // ng)``). Returns ``[b, np, sq, hn]``; ``scale`` multiplies
-        ``q @ k^T``; ``dropout_p`` is the attention-probability dropout (0 in eval).
+        ``query [b, np, sq, hn]``, ``key [b, ng, s, hn]``, ``value [b, ng, s, dv]`` (GQA: np % ng == 0,
+        query head h reads key/value head ``h // (np // ng)``). Returns ``[b, np, sq, dv]``; ``scale``
+        multiplies ``q @ k^T``; ``dropout_p`` is the attention-probability dropout (0 in eval).
+    refusal(shape, *, batch, dropout_p) -> str | None
+        Why ``attend`` does not compute a call of this :class:`~megatron_tree.attention_shapes.AttentionShape`
+        exactly (not proven on it, no such kernel here, dropout, b > 1), or None when it does. A kernel
+        is trusted only on the shapes whose gradients a GPU test compared (its ``PROVEN`` table).
+        Asked before every call: an explicit backend raises it, ``auto`` passes to the next backend.
     """
 
     name: str
     prepare: Callable[[torch.Tensor], Any]
     attend: Callable[..., torch.Tensor]
+    refusal: Callable[..., str | None]
 
 
 _BACKENDS: dict[str, TreeAttentionBackend] = {}
@@ -100,7 +113,24 @@ def get_tree_attention_backend(name: str) -> TreeAttentionBackend:
 
 
 for _name, _module in (("dense", dense_attention), ("flex", flex_attention), ("fa4", fa4_attention)):
-    register_tree_attention_backend(TreeAttentionBackend(name=_name, prepare=_module.prepare, attend=_module.attend))
+    register_tree_attention_backend(
+        TreeAttentionBackend(name=_name, prepare=_module.prepare, attend=_module.attend, refusal=_module.refusal)
+    )
+
+_PASSED_OVER: set[tuple[str, AttentionShape]] = set()
+"""(backend, shape) pairs ``auto`` has warned about: a fast kernel here that is not proven on the shape."""
+
+
+def _pass_over(name: str, shape: AttentionShape, reason: str) -> None:
+    """Warn once per (backend, shape) that ``auto`` skips an installed fast kernel because it is unproven there."""
+    if (name, shape) not in _PASSED_OVER:
+        _PASSED_OVER.add((name, shape))
+        warnings.warn(
+            f"tree attention 'auto' does not use {name} for {shape}: {reason}. It runs a slower backend that is "
+            f"exact there. To prove {name} on this shape, run `python -m megatron_tree.attention_conformance` on this "
+            f"GPU (see the README, attention backends)",
+            stacklevel=3,
+        )
 
 
 def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> dict:
@@ -127,27 +157,40 @@ def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
 
 
 def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
-    # The fastest kernel that computes this call, in order (benchmarks/attention_bench.py, H200):
-    # bf16/fp16 -> FA4's block-sparse kernels (with or without branches: on the no-sharing batch
-    # they beat TE's cuDNN THD varlen attention, 1.67 vs 2.25 ms); without FA4, a micro-batch
-    # without a branch in bf16/fp16 -> TE's cuDNN varlen attention; else FlexAttention (CUDA, b = 1,
-    # head dim >= 16, no dropout; fp32 included); else the dense reference.
+    # The fastest kernel proven exact on this call, in order (benchmarks/attention_bench.py, H200):
+    # a micro-batch without a branch (prepared where FA4 does not run) -> TE's cuDNN varlen attention;
+    # -> FA4's block-sparse kernels (with or without branches: on the no-sharing batch they beat TE's
+    # cuDNN THD varlen attention, 1.67 vs 2.25 ms); -> FlexAttention; else the dense reference. An
+    # installed kernel passed over because it is not proven on the call is warned about once.
     masks = prepared["masks"]
-    half = query.dtype in (torch.bfloat16, torch.float16)
-    if "chains" in prepared and half and not dropout_p:
-        return chain_attention.te_chain_attention(query, key, value, *prepared["chains"], scale=scale)
-    if "fa4" in prepared and fa4_attention.supports(query, dropout_p):
-        return fa4_attention.attend(query, key, value, prepared["fa4"], scale=scale, dropout_p=dropout_p)
-    if masks[0].is_cuda and masks[0].shape[0] == 1 and query.shape[-1] >= 16 and not dropout_p:
-        if "flex" not in prepared:
-            prepared["flex"] = flex_attention.prepare(*masks)
-        return flex_attention.attend(query, key, value, prepared["flex"], scale=scale, dropout_p=dropout_p)
+    shape = AttentionShape.of(query, key, value)
+    batch = masks[0].shape[0]
+    if "chains" in prepared and query.dtype in (torch.bfloat16, torch.float16):
+        reason = chain_attention.refusal(shape, dropout_p=dropout_p)
+        if reason is None:
+            return chain_attention.te_chain_attention(query, key, value, *prepared["chains"], scale=scale)
+    if "fa4" in prepared:
+        reason = fa4_attention.refusal(shape, batch=batch, dropout_p=dropout_p)
+        if reason is None:
+            return fa4_attention.attend(query, key, value, prepared["fa4"], scale=scale, dropout_p=dropout_p)
+        if query.dtype == torch.bfloat16 and not dropout_p:
+            _pass_over("fa4", shape, reason)
+    if masks[0].is_cuda and not dropout_p:
+        reason = flex_attention.refusal(shape, batch=batch, dropout_p=dropout_p)
+        if reason is None:
+            if "flex" not in prepared:
+                prepared["flex"] = flex_attention.prepare(*masks)
+            return flex_attention.attend(query, key, value, prepared["flex"], scale=scale, dropout_p=dropout_p)
+        if batch == 1:
+            _pass_over("flex", shape, reason)
     if "dense" not in prepared:
         prepared["dense"] = dense_attention.prepare(*masks)
     return dense_attention.attend(query, key, value, prepared["dense"], scale=scale, dropout_p=dropout_p)
 
 
-register_tree_attention_backend(TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend))
+register_tree_attention_backend(
+    TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend, refusal=dense_attention.refusal)
+)
 
 
 def check_subtree_end(subtree_end: torch.Tensor, batch: int, slots: int) -> None:
@@ -268,14 +311,16 @@ def tree_attention(
 ) -> torch.Tensor:
     """Attention of a DFS-laid-out tree micro-batch, Megatron layout.
 
-    query [s, b, np, hn], key/value [s, b, ng, hn], subtree_end int [b, s] -> [s, b, np * hn].
-    ``scale`` None means ``1 / sqrt(hn)``. With a ``cp_group`` of more than one rank (context
-    parallel, module docstring) the s slots are this rank's share of T = s * cp, b = 1, and
-    ``subtree_end`` is the CP mask int ``[1, 2T]``.
+    query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, dv], subtree_end int [b, s] ->
+    [s, b, np * dv] (dv = hn but in MLA). ``scale`` None means ``1 / sqrt(hn)``. With a ``cp_group``
+    of more than one rank (context parallel, module docstring) the s slots are this rank's share of
+    T = s * cp, b = 1, and ``subtree_end`` is the CP mask int ``[1, 2T]``. A named ``backend`` that is
+    not proven on this call (its ``refusal``) raises ``ValueError`` with the reason; ``"auto"`` takes
+    the fastest backend that is.
     """
-    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
         raise ValueError(
-            f"expected query [s, b, np, hn] and key/value [s, b, ng, hn], got "
+            f"expected query [s, b, np, hn], key [s, b, ng, hn] and value [s, b, ng, dv], got "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
     s, b, n_q, hn = query.shape
@@ -290,6 +335,13 @@ def tree_attention(
             f"[{s}, {b}, ng, {hn}] with {n_q} % ng == 0, got {tuple(key.shape)}"
         )
     impl = get_tree_attention_backend(backend)
+    shape = AttentionShape(hn, value.shape[3], n_q // key.shape[2], query.dtype, device_generation(query.device))
+    reason = impl.refusal(shape, batch=b, dropout_p=dropout_p)
+    if reason is not None:
+        raise ValueError(
+            f"tree attention backend {backend!r} does not run this call: {reason}. Use backend='auto' (the fastest "
+            f"backend proven on each call) or 'dense' (the reference; any shape, dtype and device)"
+        )
     cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
     if cp > 1:
         from megatron_tree.context_parallel import gather_slots
@@ -315,7 +367,7 @@ def tree_attention(
         scale=1.0 / math.sqrt(hn) if scale is None else scale,
         dropout_p=dropout_p,
     )
-    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * hn)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * value.shape[3])
 
 
 def check_tree_attention_config(config: TransformerConfig) -> None:
@@ -331,6 +383,14 @@ def check_tree_attention_config(config: TransformerConfig) -> None:
         problems.append("qk_clip / log_max_attention_logit (max attention logits are not tracked)")
     if problems:
         raise ValueError("tree attention does not support: " + "; ".join(problems))
+
+
+def _model_attention_shape(config: TransformerConfig) -> AttentionShape:
+    """The :class:`AttentionShape` of a model's attention calls (per TP rank the GQA ratio is the same)."""
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+    device = device_generation(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    ratio = config.num_attention_heads // (config.num_query_groups or config.num_attention_heads)
+    return AttentionShape(config.kv_channels, config.kv_channels, ratio, dtype, device)
 
 
 class TreeCoreAttention(MegatronModule):
@@ -381,7 +441,7 @@ class TreeCoreAttention(MegatronModule):
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if self.backend == "fa4":
-            fa4_attention.check_model(config.bf16 or config.fp16, self.dropout_p)
+            fa4_attention.check_model(_model_attention_shape(config), self.dropout_p)
         self.positions_from_ids = False
         # Context parallel: megatron-core hands its groups in pg_collection (else the global state).
         cp_group = getattr(pg_collection, "cp", None)

@@ -28,3 +28,8 @@ def attend(query, key, value, prepared, *, scale, dropout_p):
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=prepared, dropout_p=dropout_p, scale=scale
     )
+
+
+def refusal(shape, *, batch: int, dropout_p: float) -> None:
+    """Backend ``refusal``: the dense reference computes every call (any head dims, GQA ratio, dtype, device)."""
+    return None

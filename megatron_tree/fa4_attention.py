@@ -18,11 +18,16 @@ No padding of q / k / v: the kernels mask the ragged last tile; only ``subtree_e
 query slots) are padded to a multiple of 128 so the mask never reads past them. Kernels are
 compiled on first use per (dtype, head layout, mask kind) and reused for every length.
 
-bf16 / fp16 only (the kernels have no fp32 path): fp32 runs take ``"flex"`` or ``"dense"``.
+bf16 only (the kernels have no fp32 path; fp16 is unproven): fp32 / fp16 runs take ``"flex"`` or ``"dense"``.
 
-As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend`
-(b = 1, no attention dropout, head dim a multiple of 8 up to 256); ``"auto"`` picks it for
-bf16/fp16 micro-batches wherever it runs.
+Trusted only where a GPU test compared its gradients (:data:`PROVEN`: bf16 on Hopper, head dims 64 / 96 /
+128, MHA and GQA 2:1, flash-attn-4 4.0.0b36; 4.0.0b36 returns a wrong dQ at head dims 72 - 112 and
+refuses 192 / 256). Other head dims up to 128 run zero-padded onto a proven one, larger GQA ratios
+with K/V heads repeated onto ratio 2; anything else is refused.
+
+As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend` /
+:func:`refusal` (b = 1, no attention dropout, the shapes above); ``"auto"`` picks it for the calls
+it computes exactly, wherever it runs.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_tree.attention_shapes import AttentionShape, ProvenShapes, fit_to_kernel, kernel_shape
 from megatron_tree.flex_attention import (
     _check_qkv,
     _check_subtree_end,
@@ -45,6 +51,7 @@ from megatron_tree.flex_attention import (
 __all__ = [
     "FA4_VERSION",
     "FA4TreeMask",
+    "PROVEN",
     "attend",
     "check_model",
     "fa4_available",
@@ -52,10 +59,21 @@ __all__ = [
     "fa4_tree_mask",
     "fa4_unavailable_reason",
     "prepare",
+    "refusal",
 ]
 
 FA4_VERSION = "4.0.0b36"
 """The ``flash-attn-4`` release this module is written and tested against (``pip install flash-attn-4==4.0.0b36``)."""
+
+PROVEN = ProvenShapes.grid(
+    head_dims=(64, 96, 128), gqa_ratios=(1, 2), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="flash-attn-4 4.0.0b36, H200, torch 2.11: out / dQ / dK / dV on a ragged 14,101-slot branching tree "
+    "within dense bf16's own error of the fp32 reference (head dims 72, 80, 104, 112: dQ off by 1.3; 192, 256: "
+    "refused by the kernel); tests/test_fa4_attention.py at 64 MHA and 128 GQA 2:1",
+)
+"""Where the FA4 kernels of :data:`FA4_VERSION` were proven exact: other head dims up to 128 run zero-padded
+onto these, GQA ratios 4, 8, ... with K/V heads repeated onto ratio 2 (:func:`fit_to_kernel`); fp16,
+head dims above 128, a v head dim of its own (MLA) and other GPU generations are refused."""
 
 BLOCK = 128
 """Sparse block size, query and key, forward and backward: the Hopper forward tile, and two of the
@@ -176,26 +194,9 @@ def fa4_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
     return FA4TreeMask(aux, forward, backward, t, tq)
 
 
-def fa4_tree_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: FA4TreeMask,
-    *,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """Tree attention by FlashAttention-4's block-sparse kernels. Differentiable.
-
-    query [1, h, Tq, d], key / value [1, hkv, T, d] (bf16 or fp16, CUDA, h % hkv == 0), ``mask`` from
-    :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, d].
-    """
-    _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
-    problem = _refusal(query)
-    if problem is not None:
-        raise problem
-    if mask.aux[0].device != query.device:
-        raise ValueError(f"the FA4 tree mask is on {mask.aux[0].device} but query is on {query.device}")
-    _require(query.device)
+def _flash(query, key, value, mask: FA4TreeMask, softmax_scale: float) -> torch.Tensor:
+    """The FA4 kernels as they are, on any shape they accept (the conformance harness measures them raw):
+    query [1, h, Tq, d], key [1, hkv, T, d], value [1, hkv, T, dv] -> [1, h, Tq, dv]."""
     from flash_attn.cute.interface import flash_attn_func
 
     tree_mask, tree_mask_query_slots = _mask_mods()
@@ -212,41 +213,96 @@ def fa4_tree_attention(
     return out.transpose(1, 2)
 
 
-def _refusal(query: torch.Tensor, dropout_p: float = 0.0) -> Exception | None:
-    """Why the kernels cannot run this call, as the exception to raise; None when they can (no attention
-    dropout, bf16/fp16, b = 1, head dim a multiple of 8 in [8, 256])."""
+def fa4_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: FA4TreeMask,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Tree attention by FlashAttention-4's block-sparse kernels, on the shapes they are proven on. Differentiable.
+
+    query [1, h, Tq, d], key [1, hkv, T, d], value [1, hkv, T, dv] (bf16, CUDA, h % hkv == 0), ``mask`` from
+    :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, dv]. The call runs on
+    the proven kernel shape :data:`PROVEN` fits it to (head dims zero-padded, K/V heads repeated:
+    :func:`~megatron_tree.attention_shapes.kernel_shape`); a call no proven kernel computes is refused
+    (``ValueError``, with what to use).
+    """
+    _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
+    problem = _refusal(query, key, value)
+    if problem is not None:
+        raise problem
+    if mask.aux[0].device != query.device:
+        raise ValueError(f"the FA4 tree mask is on {mask.aux[0].device} but query is on {query.device}")
+    scale = query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    kernel = kernel_shape(PROVEN, AttentionShape.of(query, key, value))
+    out = _flash(*fit_to_kernel(query, key, value, kernel), mask, scale)
+    return out[..., : value.shape[-1]] if kernel[1] != value.shape[-1] else out
+
+
+def _refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0) -> Exception | None:
+    """Why :func:`fa4_tree_attention` does not run this call, as the exception to raise; None when it does (no
+    attention dropout, bf16/fp16, b = 1, FA4 runs on the device, a proven kernel shape fits the call)."""
     if dropout_p:
         return ValueError(
             f"the fa4 tree attention backend has no attention dropout (got {dropout_p}); set "
             f"attention_dropout=0 or use backend='dense'"
         )
-    d = query.shape[-1]
     if query.dtype not in (torch.bfloat16, torch.float16):
         return TypeError(
             f"the FA4 tree attention kernels run bf16/fp16, got {query.dtype}; use backend='flex' or 'dense' for fp32"
         )
     if query.shape[0] != 1:
         return ValueError(f"FA4 tree attention takes one micro-batch (b = 1), got b = {query.shape[0]}")
-    if d % 8 or not 8 <= d <= 256:
-        return ValueError(f"the fa4 tree attention backend needs a head dim that is a multiple of 8 in [8, 256], got {d}")
-    return None
+    unavailable = fa4_unavailable_reason(query.device)
+    if unavailable is not None:
+        return RuntimeError(f"{unavailable}. Use backend='auto' (it picks a backend that runs here) or 'dense'.")
+    return _unproven(AttentionShape.of(query, key, value))
 
 
-def supports(query: torch.Tensor, dropout_p: float) -> bool:
-    """True when :func:`attend` runs this call (``auto`` asks before picking FA4)."""
-    return _refusal(query, dropout_p) is None
+def _unproven_reason(shape: AttentionShape) -> str | None:
+    """What FA4 is proven on, unless a proven kernel shape computes ``shape``."""
+    if kernel_shape(PROVEN, shape) is not None:
+        return None
+    return (
+        f"flash-attn-4 {FA4_VERSION} is proven exact (forward and backward against the dense reference) {PROVEN.describe()} "
+        f"(smaller head dims and larger GQA ratios run padded / repeated onto those); this call is {shape}"
+    )
 
 
-def check_model(bf16_or_fp16: bool, dropout_p: float) -> None:
-    """Raise at model build time (``TreeCoreAttention(backend="fa4")``) what the first forward would:
-    no FA4 here, an fp32 model, attention dropout."""
+def _unproven(shape: AttentionShape) -> ValueError | None:
+    reason = _unproven_reason(shape)
+    if reason is None:
+        return None
+    return ValueError(f"{reason}. Use backend='auto' (it sends such calls to a backend proven there) or 'dense'")
+
+
+def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | None:
+    """Backend ``refusal``: why the fa4 backend does not compute a call of ``shape`` exactly, None when it does."""
+    if dropout_p:
+        return f"the fa4 backend has no attention dropout (attention_dropout={dropout_p})"
+    if shape.dtype not in (torch.bfloat16, torch.float16):
+        return f"the FA4 kernels run bf16/fp16, not {shape.dtype}"
+    if batch != 1:
+        return f"the fa4 backend takes one micro-batch (b = 1), got b = {batch}"
+    unavailable = fa4_unavailable_reason(None if shape.device.startswith("sm") else torch.device(shape.device))
+    return unavailable if unavailable is not None else _unproven_reason(shape)
+
+
+def check_model(shape: AttentionShape, dropout_p: float) -> None:
+    """Raise at model build time (``TreeCoreAttention(backend="fa4")``) what the first forward would: no FA4
+    here, an fp32 model, attention dropout, a head dim / GQA ratio / dtype FA4 is not proven on."""
     _require(None)
-    if not bf16_or_fp16:
+    if shape.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError("backend='fa4' runs bf16/fp16 models, this one is fp32: build it with bf16=True, "
                          "or use backend='auto' (FA4 for bf16/fp16, FlexAttention for fp32)")
     if dropout_p:
         raise ValueError(f"backend='fa4' has no attention dropout (attention_dropout={dropout_p}); set it to 0 "
                          f"or use backend='dense'")
+    problem = _unproven(shape)
+    if problem is not None:
+        raise problem
 
 
 def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FA4TreeMask:
@@ -258,7 +314,7 @@ def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) 
 
 
 def attend(query, key, value, prepared, *, scale, dropout_p):
-    """Backend ``attend``: query ``[1, np, Tq, hn]``, key/value ``[1, ng, T, hn]`` -> ``[1, np, Tq, hn]``."""
+    """Backend ``attend``: query ``[1, np, Tq, hn]``, key ``[1, ng, T, hn]``, value ``[1, ng, T, dv]`` -> ``[1, np, Tq, dv]``."""
     if dropout_p:
-        raise _refusal(query, dropout_p)
+        raise _refusal(query, key, value, dropout_p)
     return fa4_tree_attention(query, key, value, prepared, softmax_scale=scale)

@@ -25,8 +25,10 @@ layout, grad mode) is one compiled graph; the call raises Dynamo's recompile lim
 (default 8 graphs per function) to :data:`RECOMPILE_LIMIT`, since hitting it would fall
 back to eager FlexAttention, which materialises the full [b, h, Tp, Tp] score matrix.
 
-As the ``"flex"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend`
-(CUDA forward and backward, b = 1, no attention dropout; fp32 included).
+As the ``"flex"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend` /
+:func:`refusal` (CUDA, b = 1, no attention dropout; on the shapes of :data:`PROVEN` only, fp32
+included). :func:`flex_tree_attention` itself runs any shape FlexAttention takes, unchecked (CPU:
+forward only, a FlexAttention limitation).
 """
 
 from __future__ import annotations
@@ -39,15 +41,33 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from megatron_tree.attention_shapes import AttentionShape, ProvenShapes, fit_to_kernel, kernel_shape
+
 __all__ = [
+    "PROVEN",
     "RECOMPILE_LIMIT",
     "attend",
     "classify_blocks",
     "flex_tree_attention",
     "padded_length",
     "prepare",
+    "refusal",
     "tree_block_mask",
 ]
+
+PROVEN = ProvenShapes.grid(
+    head_dims=(64,), gqa_ratios=(1, 4), dtypes=(torch.float32,), devices=("sm90",),
+    evidence="tests/test_flex_attention.py::test_cuda_fp32_forward_backward_match_dense (H200, torch 2.11)",
+) | ProvenShapes.grid(
+    head_dims=(16,), gqa_ratios=(2,), dtypes=(torch.float32,), devices=("sm90",),
+    evidence="the tiny models' tree-vs-per-sequence gradient tests with TE, TF32 off (benchmarks/gpu_te_checks.sh)",
+) | ProvenShapes.grid(
+    head_dims=(128,), gqa_ratios=(2,), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="tests/test_flex_attention.py::test_cuda_bf16_error_within_k_times_dense_bf16_error (H200, torch 2.11)",
+)
+"""Where this backend's FlexAttention kernels were proven exact (forward and backward against the dense
+reference, on a GPU); other calls run zero-padded / with K/V heads repeated onto these
+(:func:`~megatron_tree.attention_shapes.kernel_shape`) or go elsewhere (``auto``) / are refused."""
 
 RECOMPILE_LIMIT = 64
 """Compiled graphs allowed for the module-level compiled FlexAttention (Dynamo's default is 8)."""
@@ -342,17 +362,26 @@ def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) 
     return subtree_end, query_slots
 
 
-def attend(query, key, value, prepared, *, scale, dropout_p):
-    """Backend ``attend``: query ``[1, np, Tq, hn]``, key/value ``[1, ng, T, hn]`` -> ``[1, np, Tq, hn]``."""
+def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | None:
+    """Backend ``refusal``: why the flex backend does not compute a call of ``shape`` exactly, None when it does."""
     if dropout_p:
-        raise ValueError(
-            f"the flex tree attention backend has no attention dropout (got {dropout_p}); set "
-            f"attention_dropout=0 or use backend='dense'"
-        )
-    if not query.is_cuda and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
-        raise ValueError(
-            f"the flex tree attention backend has no backward on {query.device} (a FlexAttention limitation); "
-            f"use backend='auto' or 'dense' off CUDA"
-        )
+        return f"the flex backend has no attention dropout (attention_dropout={dropout_p})"
+    if batch != 1:
+        return f"the flex backend takes one micro-batch (b = 1), got b = {batch}"
+    if kernel_shape(PROVEN, shape) is None:
+        return (f"the flex backend is proven exact (forward and backward against the dense reference) {PROVEN.describe()} "
+                f"(smaller head dims and larger GQA ratios run padded / repeated onto those); this call is {shape}")
+    return None
+
+
+def attend(query, key, value, prepared, *, scale, dropout_p):
+    """Backend ``attend``: query ``[1, np, Tq, hn]``, key ``[1, ng, T, hn]``, value ``[1, ng, T, dv]`` -> ``[1, np, Tq, dv]``,
+    on the proven kernel shape that fits the call (:data:`PROVEN`)."""
+    problem = refusal(AttentionShape.of(query, key, value), batch=query.shape[0], dropout_p=dropout_p)
+    if problem is not None:
+        raise ValueError(f"{problem}; use backend='auto' (it picks a backend proven on this call) or 'dense'")
     subtree_end, query_slots = prepared
-    return flex_tree_attention(query, key, value, subtree_end, softmax_scale=scale, query_slots=query_slots)
+    kernel = kernel_shape(PROVEN, AttentionShape.of(query, key, value))
+    out = flex_tree_attention(*fit_to_kernel(query, key, value, kernel), subtree_end, softmax_scale=scale,
+                              query_slots=query_slots)
+    return out[..., : value.shape[-1]] if kernel[1] != value.shape[-1] else out

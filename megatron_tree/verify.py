@@ -8,17 +8,21 @@ stage and TP rank takes part as in training):
   out first, long branches after it (slot index != depth there), a duplicate sequence and the
   prompt alone (a sequence ending at a branch point);
 - each sequence alone in its own micro-batch: a chain, whose interval mask is the causal mask
-  and whose depths are the slot indices.
+  and whose depths are the slot indices, with every tree attention module on the ``"dense"``
+  reference backend (SDPA on the materialised mask).
 
 Both give every sequence's next-token log-probs; they agree to rounding error exactly when the
 tree path is right for this model: mask, per-token RoPE (RoPE by packed index is wrong only in
 the first pass), log-prob slots and labels at branch points, the vocab-parallel gather, the
-pipeline. Both passes use the model's own attention kernel, so this does not compare that
-kernel against an independent one (the test suite compares with Hugging Face).
+pipeline, and the model's attention kernel (against the dense reference). Then one backward of
+the same weighted log-prob loss in each packing: the parameter gradients agree exactly when the
+backward is right too (a kernel with a wrong dQ passes the forward check and fails this one). The
+test suite also compares with Hugging Face.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -29,6 +33,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.utils import get_model_config
 
+from megatron_tree.attention import TreeCoreAttention
 from megatron_tree.microbatch_spec import MicroBatchSpec
 from megatron_tree.model_check import check_tree_model
 from megatron_tree.packing import build_micro_batch, pack_trees
@@ -43,6 +48,10 @@ _UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "fp16": 2.0**-11, "bf16": 
 # Qwen3-MoE). In TF32 / bf16 / fp16 the rounding of every layer's activations dominates, and is
 # smaller per unit of u: measured <= 0.6 u |log-prob| in bf16. K leaves ~7x headroom over both.
 _ROUNDOFF_MULTIPLE = {"fp32": 32, "tf32": 4, "fp16": 4, "bf16": 4}
+# Gradients: relative error of the parameter gradients, ||g_tree - g_seq|| / ||g_seq|| over each
+# tensor, at most _GRAD_MULTIPLE * u. Measured on the tiny test models (Qwen3, Llama, Qwen3-MoE, CPU):
+# <= 1.3e-6 in fp32 (21 u), <= 1.7e-2 in bf16 (4.3 u). A dQ off by 30% moves them by 0.14 - 0.41.
+_GRAD_MULTIPLE = {"fp32": 256, "tf32": 16, "fp16": 16, "bf16": 16}
 
 
 def _tolerance(precision: str, logprob_scale: float) -> float:
@@ -54,11 +63,15 @@ def _tolerance(precision: str, logprob_scale: float) -> float:
 class TreeModelReport:
     """What :func:`verify_tree_model` saw.
 
-    max_error    largest |tree - per-sequence| log-prob over all targets (same on every rank).
-    tolerance    the bound it was held to.
-    precision    "fp32", "tf32" (fp32 with TF32 matmuls), "bf16" or "fp16".
-    targets      next-token log-probs compared.
-    tree_tokens  unique tokens of the packed trees (vs ``original_tokens`` run one by one).
+    max_error       largest |tree - per-sequence| log-prob over all targets (same on every rank).
+    tolerance       the bound it was held to.
+    grad_error      largest relative error ``||g_tree - g_seq|| / ||g_seq||`` of a parameter gradient
+                    (over every parameter tensor of every rank); None with ``check_gradients=False``.
+    grad_tolerance  the bound it was held to.
+    grad_parameter  the parameter of ``grad_error`` (its name on the rank that holds it).
+    precision       "fp32", "tf32" (fp32 with TF32 matmuls), "bf16" or "fp16".
+    targets         next-token log-probs compared.
+    tree_tokens     unique tokens of the packed trees (vs ``original_tokens`` run one by one).
     """
 
     max_error: float
@@ -67,18 +80,31 @@ class TreeModelReport:
     targets: int
     tree_tokens: int
     original_tokens: int
+    grad_error: float | None = None
+    grad_tolerance: float | None = None
+    grad_parameter: str = ""
 
     @property
     def ok(self) -> bool:
-        """True when ``max_error <= tolerance``."""
-        return self.max_error <= self.tolerance
+        """True when both errors are within their tolerances."""
+        return self.max_error <= self.tolerance and (self.grad_error is None or self.grad_error <= self.grad_tolerance)
 
     def __str__(self) -> str:
-        verdict = "<=" if self.ok else "> (FAILED)"
+        def verdict(ok):
+            return "<=" if ok else "> (FAILED)"
+
+        text = (
+            f"tree vs per-sequence max |dlogprob| {self.max_error:.3g} {verdict(self.max_error <= self.tolerance)} "
+            f"tolerance {self.tolerance:.3g}"
+        )
+        if self.grad_error is not None:
+            text += (
+                f", max grad rel err {self.grad_error:.3g} {verdict(self.grad_error <= self.grad_tolerance)} "
+                f"tolerance {self.grad_tolerance:.3g} ({self.grad_parameter})"
+            )
         return (
-            f"tree vs per-sequence max |dlogprob| {self.max_error:.3g} {verdict} tolerance "
-            f"{self.tolerance:.3g} ({self.precision}, {self.targets} targets, {self.tree_tokens} tree "
-            f"tokens for {self.original_tokens})"
+            f"{text} ({self.precision}, {self.targets} targets, {self.tree_tokens} tree tokens for "
+            f"{self.original_tokens})"
         )
 
 
@@ -136,15 +162,91 @@ def _logprobs(chunks, mbs) -> dict[int, torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _reference_attention(chunks):
+    """Every tree attention module of ``chunks`` on the ``"dense"`` backend inside the block."""
+    modules = [m for c in chunks for m in c.modules() if isinstance(m, TreeCoreAttention)]
+    saved = [m.backend for m in modules]
+    try:
+        for m in modules:
+            m.backend = "dense"
+        yield
+    finally:
+        for m, backend in zip(modules, saved):
+            m.backend = backend
+
+
+def _zero_gradients(chunks) -> None:
+    for chunk in chunks:
+        if hasattr(chunk, "zero_grad_buffer"):  # Megatron's DDP: param.main_grad lives in its buffers
+            chunk.zero_grad_buffer()
+        for param in chunk.parameters():
+            param.grad = None
+
+
+def _gradients(chunks, mbs, weights: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{name: gradient}`` of ``sum_seq sum_t weights[seq][t] * logprob[seq][t]`` over ``mbs``: local sums
+    (no data-parallel reduction, no division), copied; the gradients are zero again afterwards."""
+    config = get_model_config(chunks[0])
+
+    def weighted(logprobs: torch.Tensor, mb):
+        cu = mb.cu_seqlens.tolist()
+        w = torch.cat([weights[sid] for sid in mb.sequence_ids]).to(logprobs.device)
+        assert w.numel() == cu[-1] == logprobs.numel()
+        return (logprobs * w).sum(), logprobs.numel()
+
+    _zero_gradients(chunks)
+    saved = config.finalize_model_grads_func
+    config.finalize_model_grads_func = lambda *args, **kwargs: None  # keep the local sums
+    try:
+        with contextlib.ExitStack() as stack:
+            for chunk in chunks:  # Megatron's DDP reduces nothing inside no_sync()
+                if hasattr(chunk, "no_sync"):
+                    stack.enter_context(chunk.no_sync())
+            tree_forward_backward(chunks if len(chunks) > 1 else chunks[0], mbs, weighted)
+    finally:
+        config.finalize_model_grads_func = saved
+    grads = {}
+    for i, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                grads[f"{i}.{name}" if len(chunks) > 1 else name] = grad.detach().float().clone()
+    _zero_gradients(chunks)
+    return grads
+
+
+def _worst_relative_error(tree: dict[str, torch.Tensor], chain: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest ``||a - b|| / ||b||`` over the parameters with a gradient in either pass (NaN counts as inf)."""
+    worst, where = 0.0, ""
+    for name in sorted(set(tree) | set(chain)):
+        a, b = tree.get(name), chain.get(name)
+        if a is None or b is None:
+            a = torch.zeros_like(b) if a is None else a
+            b = torch.zeros_like(a) if b is None else b
+        ref = b.norm().item()
+        diff = (a - b).norm().item()
+        if ref == 0.0 and diff == 0.0:
+            continue
+        err = diff / ref if ref > 0.0 else float("inf")
+        err = float("inf") if err != err else err
+        if err > worst or not where:
+            worst, where = err, name
+    return worst, where
+
+
 def verify_tree_model(
     model: torch.nn.Module | Sequence[torch.nn.Module],
     *,
     atol: float | None = None,
+    grad_rtol: float | None = None,
+    check_gradients: bool = True,
     seed: int = 0,
     raise_on_mismatch: bool = True,
 ) -> TreeModelReport:
-    """Check once that ``model`` gives the same log-probs on tree micro-batches as on each
-    sequence alone; returns a :class:`TreeModelReport`.
+    """Check once that ``model`` gives the same log-probs, and the same parameter gradients, on
+    tree micro-batches as on each sequence alone; returns a :class:`TreeModelReport`.
 
     ``model``: the model chunks of this rank as built for training (``get_model`` / ``build_tree_model``),
     called on every rank of the job (every pipeline stage and TP rank takes part; parallel state
@@ -156,9 +258,18 @@ def verify_tree_model(
     TF32 (``torch.backends.cuda.matmul.allow_tf32``, or Transformer Engine's fp32 GEMMs without
     ``NVIDIA_TF32_OVERRIDE=0``) and fp16. Low precision catches gross errors only (an ignored
     mask; RoPE by packed index on a model sensitive to it); the sharp check is fp32.
+    Gradients (``check_gradients``, default on): one backward, in eval mode, of
+    ``sum w * logprob`` (fixed random weights per target) in each packing; every parameter
+    tensor's relative error ``||g_tree - g_seq|| / ||g_seq||`` must be at most ``grad_rtol``,
+    default ``K * u`` with K = 256 in fp32 (1.5e-5: measured <= 1.3e-6 on the tiny models)
+    and 16 in TF32, bf16 and fp16 (6.3e-2 in bf16: measured <= 1.7e-2; a dQ off by 30% gives 0.14 - 0.41).
+    The per-sequence passes run on the ``"dense"`` reference attention, so both checks also hold
+    the model's attention kernel against an independent one. This zeroes the model's
+    gradients (as the start of a Megatron step does) and holds one copy of them while it compares:
+    call it before a step, not between a backward and ``optimizer.step()``.
     First :func:`~megatron_tree.model_check.check_tree_model` (a ``ValueError`` naming the
-    offending module); then, unless ``raise_on_mismatch=False``, a ``RuntimeError`` when the
-    error exceeds the tolerance, on every rank alike.
+    offending module); then, unless ``raise_on_mismatch=False``, a ``RuntimeError`` when an
+    error exceeds its tolerance, on every rank alike.
     """
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     check_tree_model(chunks)
@@ -171,13 +282,22 @@ def verify_tree_model(
     chain_mbs = [build_micro_batch(seqs, [i]) for i in range(len(seqs))]
     chain_mbs += [build_micro_batch(seqs, [])] * (-len(chain_mbs) % group)
 
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = {sid: torch.randn(n - 1, generator=gen) for sid, n in enumerate(lengths)}
     training = [(m, m.training) for c in chunks for m in c.modules()]
+    grad_error, where = None, ""
     try:
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
             tree = _logprobs(chunks, tree_mbs)
-            chain = _logprobs(chunks, chain_mbs)
+            with _reference_attention(chunks):
+                chain = _logprobs(chunks, chain_mbs)
+        if check_gradients:
+            tree_grads = _gradients(chunks, tree_mbs, weights)
+            with _reference_attention(chunks):
+                chain_grads = _gradients(chunks, chain_mbs, weights)
+            grad_error, where = _worst_relative_error(tree_grads, chain_grads)
     finally:
         for module, flag in training:
             module.training = flag
@@ -190,9 +310,13 @@ def verify_tree_model(
         dtype=torch.float64,
         device=device,
     )
+    local_grad_error = -1.0 if grad_error is None else grad_error
+    seen = torch.cat([seen, torch.tensor([local_grad_error], dtype=torch.float64, device=device)])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
-    error, scale = seen.tolist()
+    error, scale, grad_error = seen.tolist()
+    if check_gradients and local_grad_error != grad_error:
+        where = "on another rank"
     precision = _precision(chunks)
     report = TreeModelReport(
         max_error=error,
@@ -201,12 +325,17 @@ def verify_tree_model(
         targets=sum(n - 1 for n in lengths),
         tree_tokens=sum(mb.num_tokens for mb in tree_mbs),
         original_tokens=sum(lengths),
+        grad_error=grad_error if check_gradients else None,
+        grad_tolerance=(_GRAD_MULTIPLE[precision] * _UNIT_ROUNDOFF[precision] if grad_rtol is None else float(grad_rtol))
+        if check_gradients else None,
+        grad_parameter=where,
     )
     if raise_on_mismatch and not report.ok:
         raise RuntimeError(
             f"verify_tree_model: {report}. The tree path of this model is not exact: look for RoPE "
             f"rotating by packed slot index instead of position_ids (a custom rotary module, or RoPE "
-            f"applied inside a custom attention), an attention that ignores the interval mask, or "
-            f"log-probs not read through gather_tree_logprobs; pass atol= only if the error is rounding"
+            f"applied inside a custom attention), an attention that ignores the interval mask or whose "
+            f"backward is wrong on this shape (try attention backend 'dense'), or log-probs not read through "
+            f"gather_tree_logprobs; pass atol= / grad_rtol= only if the error is rounding"
         )
     return report

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree import MicroBatchSpec, fa4_attention, pack_trees
 from megatron_tree.config_overrides import have_transformer_engine
 from megatron_tree.fa4_attention import fa4_available, fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason
 from megatron_tree.masks import dense_tree_mask
@@ -222,15 +222,20 @@ def test_fa4_refuses_fp32():
 
 
 def test_fa4_call_checks_name_each_refusal():
-    """What ``auto`` asks (``supports``) and what ``attend`` raises come from one check (no GPU needed)."""
-    from megatron_tree.fa4_attention import attend, supports
+    """What ``auto`` asks (``refusal``) names each reason; ``attend`` raises for dropout (no GPU needed)."""
+    from megatron_tree.attention_shapes import AttentionShape
+    from megatron_tree.fa4_attention import attend, refusal
 
+    def why(d=128, dv=128, ratio=2, dtype=torch.bfloat16, batch=1, dropout_p=0.0):
+        return refusal(AttentionShape(d, dv, ratio, dtype, "sm90"), batch=batch, dropout_p=dropout_p)
+
+    assert "dropout" in why(dropout_p=0.1)
+    assert "bf16/fp16" in why(dtype=torch.float32)
+    assert "b = 1" in why(batch=2)
+    if fa4_available():
+        assert why() is None and why(d=72) is None  # 72 runs padded onto the proven 96
+        assert "proven exact" in why(d=192, dv=128) and "proven exact" in why(dtype=torch.float16)
     q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
-    assert supports(q, 0.0)
-    assert not supports(q, 0.1)
-    assert not supports(q.float(), 0.0)
-    assert not supports(torch.zeros(2, 4, 8, 128, dtype=torch.bfloat16), 0.0)
-    assert not supports(torch.zeros(1, 4, 8, 100, dtype=torch.bfloat16), 0.0)
     with pytest.raises(ValueError, match="no attention dropout"):
         attend(q, q, q, None, scale=1.0, dropout_p=0.1)
 
@@ -260,8 +265,8 @@ def test_fa4_backend_refuses_clearly_where_it_cannot_run():
     PREPARED_MASKS.clear()
     end = torch.tensor([[3, 3, 3]], dtype=torch.int32)
     q = torch.randn(3, 1, 2, 16)
-    with pytest.raises(RuntimeError, match="cannot run: .*Use backend="):
-        tree_attention(q, q, q, end, backend="fa4")
+    with pytest.raises(ValueError, match="cannot run: .*Use backend="):
+        tree_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), end, backend="fa4")
     with pytest.raises(RuntimeError, match="cannot run"):
         fa4_tree_mask(end)
 
@@ -291,3 +296,33 @@ def test_auto_backend_runs_fa4_for_bf16_and_flex_for_fp32(monkeypatch):
     err, err_dense = ((x.double() - ref).norm() / ref.norm() for x in (out16, dense16))
     assert err <= 2 * err_dense + 1e-4
     torch.testing.assert_close(tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, backend="fa4"), out16)
+
+
+@requires_fa4
+def test_fa4_model_build_refuses_an_unproven_shape():
+    """backend='fa4' at build time: a head dim FA4 4.0.0b36 is not proven on (256) is refused with what it is proven on."""
+    from types import SimpleNamespace
+
+    from megatron_tree.attention import _model_attention_shape
+
+    config = SimpleNamespace(bf16=True, fp16=False, num_attention_heads=8, num_query_groups=4, kv_channels=256)
+    with pytest.raises(ValueError, match="proven exact.*head dim 256.*Use backend='auto'"):
+        fa4_attention.check_model(_model_attention_shape(config), 0.0)
+    fa4_attention.check_model(_model_attention_shape(SimpleNamespace(**{**vars(config), "kv_channels": 80})), 0.0)
+
+
+@requires_fa4
+def test_auto_passes_over_unproven_fa4_with_one_warning(recwarn):
+    """bf16 head dim 256 (Gemma 3): auto does not run FA4 (4.0.0b36 refuses 256) but an exact backend, and says so once."""
+    from megatron_tree.attention import PREPARED_MASKS, _PASSED_OVER, tree_attention
+
+    _PASSED_OVER.clear()
+    PREPARED_MASKS.clear()
+    mask = _tree("grpo", 600)[None]
+    t = mask.shape[1]
+    q, k = (torch.randn(t, 1, h, 256, device="cuda", dtype=torch.bfloat16) for h in (4, 2))
+    ref = tree_attention(q.double(), k.double(), k.double(), mask, backend="dense")
+    for _ in range(2):
+        out = tree_attention(q, k, k, mask, backend="auto")
+    assert (out.double() - ref).norm() / ref.norm() < 2e-2
+    assert sum("does not use fa4" in str(w.message) for w in recwarn) == 1

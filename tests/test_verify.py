@@ -170,18 +170,62 @@ def test_verify_passes_a_tree_model_and_fails_packed_index_rope(megatron_cpu, bf
     print(f"{good}\npacked-index RoPE: {bad}")
     assert good.ok and good.precision == ("bf16" if bf16 else "fp32") and good.targets == 120
     assert good.tolerance < (0.2 if bf16 else 2e-5)
+    assert good.grad_error <= good.grad_tolerance < (0.07 if bf16 else 2e-5)
     assert not bad.ok and bad.max_error > 0.5
     with pytest.raises(RuntimeError, match=r"not exact: look for RoPE rotating by packed slot index"):
         verify_tree_model(model)
 
 
+class _WrongQueryGrad(torch.autograd.Function):
+    """Identity forward; the backward scales dQ by 1.3 (the kind of bug FA4 4.0.0b36 has at head dims 72 - 112)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.3
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_verify_fails_a_backend_whose_backward_is_wrong(megatron_cpu, bf16):
+    """A kernel with a right forward and a wrong dQ passes the log-prob check and fails the gradient check
+    (the per-sequence passes run on the dense reference attention)."""
+    from megatron_tree import attention, dense_attention
+
+    def wrong_dq(q, k, v, prepared, *, scale, dropout_p):
+        return dense_attention.attend(_WrongQueryGrad.apply(q), k, v, prepared, scale=scale, dropout_p=dropout_p)
+
+    attention.register_tree_attention_backend(
+        attention.TreeAttentionBackend("test_verify_wrong_dq", dense_attention.prepare, wrong_dq, dense_attention.refusal)
+    )
+    try:
+        model = build(megatron_cpu, bf16=bf16)
+        for m in model.modules():
+            if isinstance(m, attention.TreeCoreAttention):
+                m.backend = "test_verify_wrong_dq"
+        report = verify_tree_model(model, raise_on_mismatch=False)
+        print(report)
+        assert report.max_error <= report.tolerance and report.grad_error > 2 * report.grad_tolerance
+        assert "self_attention" in report.grad_parameter or "layernorm" in report.grad_parameter
+        with pytest.raises(RuntimeError, match=r"max grad rel err .* > \(FAILED\).*backward is wrong"):
+            verify_tree_model(model)
+        assert all(p.grad is None for p in model.parameters()), "verify leaves the gradients zeroed"
+        assert verify_tree_model(model, check_gradients=False).grad_error is None
+    finally:
+        del attention._BACKENDS["test_verify_wrong_dq"]
+
+
 def test_verify_at_tp2_and_pp2(tmp_path):
     out = run_torchrun("scripts/verify_dist.py", 2, ["--ckpt", str(tmp_path)], timeout=600)
     num = r"([0-9.]+e[+-]\d+)"  # ranks' lines may run into each other (dist_utils)
-    rows = re.findall(rf"VERIFY rank=(\d) layout=(tp2|pp2) error={num} tolerance={num} bad_error={num}", out)
+    rows = re.findall(rf"VERIFY rank=(\d) layout=(tp2|pp2) error={num} tolerance={num} bad_error={num} "
+                      rf"grad_error={num} grad_tolerance={num}", out)
     assert sorted((r[0], r[1]) for r in rows) == [("0", "pp2"), ("0", "tp2"), ("1", "pp2"), ("1", "tp2")], out[-3000:]
-    for _, _, error, tolerance, bad in rows:
+    for _, _, error, tolerance, bad, grad_error, grad_tolerance in rows:
         assert float(error) <= float(tolerance) < 2e-5 and float(bad) > 0.5
+        assert float(grad_error) <= float(grad_tolerance) < 2e-5
 
 
 def test_launcher_flag_logs_the_error():
@@ -190,8 +234,9 @@ def test_launcher_flag_logs_the_error():
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = re.search(r"verify_tree_model: tree vs per-sequence max \|dlogprob\| (\S+) <= tolerance (\S+)", proc.stdout)
-    assert line and float(line[1]) <= float(line[2]), proc.stdout[-3000:]
+    line = re.search(r"verify_tree_model: tree vs per-sequence max \|dlogprob\| (\S+) <= tolerance ([^,]+), "
+                     r"max grad rel err (\S+) <= tolerance (\S+)", proc.stdout)
+    assert line and float(line[1]) <= float(line[2]) and float(line[3]) <= float(line[4]), proc.stdout[-3000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Transformer Engine spec, GPU kernels)")

@@ -49,7 +49,8 @@ def main():
                 TreeRotaryEmbedding.forward = real
             print(
                 f"VERIFY rank={dist.get_rank()} layout={layout} error={report.max_error:.3e} "
-                f"tolerance={report.tolerance:.3e} bad_error={bad.max_error:.3e}",
+                f"tolerance={report.tolerance:.3e} bad_error={bad.max_error:.3e} grad_error={report.grad_error:.3e} "
+                f"grad_tolerance={report.grad_tolerance:.3e}",
                 flush=True,
             )
     sys.exit(0)
