@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Tree training for Megatron-LM: pack sequences with shared prefixes into prefix trees, "
     "compute every shared token once, return exact per-sequence log-probs and gradients.",
-    # megatron_tree/patches is a link to the top-level patches/ folder: installed as megatron_tree.patches only.
+    # megatron_tree/patches is a link to the top-level patches/ folder: installed as megatron_tree.compat only.
     packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy", "pyyaml"],

@@ -51,10 +51,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.fa4_attention import fa4_available, fa4_tree_attention, fa4_tree_mask
-from megatron_tree.flex_attention import classify_blocks, flex_tree_attention, padded_length, tree_block_mask
-from megatron_tree.masks import dense_tree_mask
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
+from megatron_tree.attention.fa4 import fa4_available, fa4_tree_attention, fa4_tree_mask
+from megatron_tree.attention.flex import classify_blocks, flex_tree_attention, flex_tree_mask, padded_length, tree_block_mask
+from megatron_tree.core.masks import dense_tree_mask
+from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 
 HEADS, KV_HEADS, HEAD_DIM, SLOTS = 16, 8, 128, 32768
 
@@ -186,8 +186,8 @@ def bf16_inputs(t: int, dev, gen) -> tuple[torch.Tensor, ...]:
 def fa4_harness_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """The FA4 harnesses' start: add ``--out``, parse, exit with the reason where FA4 cannot run, and import
     Transformer Engine first where it is installed (its cuDNN symbols), as :func:`main` does."""
-    from megatron_tree.config_overrides import have_transformer_engine
-    from megatron_tree.fa4_attention import fa4_unavailable_reason
+    from megatron_tree.core.platform import have_transformer_engine
+    from megatron_tree.attention.fa4 import fa4_unavailable_reason
 
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -297,7 +297,8 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
     )
     times = {}
     print(f"[{name}] T={t} unique={mb.num_tokens} original={mb.num_original_tokens}", flush=True)
-    times["flex_tree"] = time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, end), [q, k, v], g, args)
+    flex_mask = flex_tree_mask(end)  # once per micro-batch, as the backend's prepare
+    times["flex_tree"] = time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, flex_mask), [q, k, v], g, args)
     print(f"  flex_tree {times['flex_tree']}", flush=True)
     if fa4_available():
         from flash_attn.cute.interface import flash_attn_func
@@ -348,11 +349,11 @@ DENSE_KERNELS = ("causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen", "f
 
 def bench_te_thd(seq_lens, args, dev, gen) -> dict:
     """The flat sequences through TE's cuDNN fused attention, THD (Megatron's packed sequences); {} without TE."""
-    from megatron_tree.config_overrides import have_transformer_engine
+    from megatron_tree.core.platform import have_transformer_engine
 
     if not have_transformer_engine():
         return {}
-    from megatron_tree.chain_attention import te_chain_attention
+    from megatron_tree.attention.te_chains import te_chain_attention
 
     n = sum(seq_lens)
     q, k, v, g = bf16_inputs(n, dev, gen)
@@ -383,8 +384,10 @@ def bench_flat(seq_lens, row, args, dev, gen) -> dict:
     end = doc_subtree_end(seq_lens, dev)
     row["flat_flex_doc_slots"] = padded_length(n)
 
+    doc_mask = flex_tree_mask(end)
+
     def flex_doc(q, k, v):
-        return flex_tree_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], end)
+        return flex_tree_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], doc_mask)
 
     out = {"flat_flex_doc": time_fwd_bwd(flex_doc, [q, k, v], g.transpose(0, 1)[None], args)}
     print(f"  flat_flex_doc {out['flat_flex_doc']}", flush=True)
@@ -397,19 +400,22 @@ def bench_variants(seqs, names, args, dev, gen) -> list[dict]:
     end = mb.attention_mask[0].to(device=dev, dtype=torch.int32)
     t = end.shape[0]
     q, k, v, g = bf16_inputs(t, dev, gen)
-    ref = flex_tree_attention(q, k, v, end).float()
+    ref = flex_tree_attention(q, k, v, flex_tree_mask(end)).float()
     rows = []
     for name in names:
         kw = VARIANTS[name]
         row = {"variant": name, **{k_: str(v_) for k_, v_ in kw.items()}, **block_stats(end, kw["block_size"])}
         try:
             t0 = time.perf_counter()
-            out = flex_tree_attention(q, k, v, end, **kw)
+            variant_mask = flex_tree_mask(end, kw["block_size"])
+            options = {"kernel_options": kw["kernel_options"]} if "kernel_options" in kw else {}
+            out = flex_tree_attention(q, k, v, variant_mask, **options)
             out.backward(g)
             torch.cuda.synchronize()
             row["first_call_s"] = time.perf_counter() - t0
             row["rel_diff_vs_bs128"] = ((out.float() - ref).norm() / ref.norm()).item()
-            row.update(time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, end, **kw), [q, k, v], g, args))
+            row.update(time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, variant_mask, **options), [q, k, v], g,
+                                    args))
         except Exception as exc:  # a variant the kernel refuses is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"  variant {row}", flush=True)
@@ -437,8 +443,10 @@ def accuracy(dev, gen) -> dict:
     def dense(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
+    flex_mask = flex_tree_mask(end)
+
     def flex(q, k, v):
-        return flex_tree_attention(q, k, v, end)
+        return flex_tree_attention(q, k, v, flex_mask)
 
     ref = run(dense, torch.float64)
 
@@ -506,7 +514,7 @@ def main():
         "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "batch": 1,
                    "warmup": args.warmup, "iters": args.iters},
     }
-    from megatron_tree.config_overrides import have_transformer_engine
+    from megatron_tree.core.platform import have_transformer_engine
 
     # TE loads the system cuDNN; import it before SDPA's cuDNN backend loads torch's own copy.
     have_transformer_engine()

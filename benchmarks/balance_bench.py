@@ -16,9 +16,9 @@ import json
 import numpy as np
 
 from megatron_tree import BalanceStats, balance_across_ranks, build_forest
-from megatron_tree.balance import rank_costs
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch
-from megatron_tree.tree import as_sequences
+from megatron_tree.core.balance import rank_costs
+from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
+from megatron_tree.core.tree import as_sequences
 
 
 def main():

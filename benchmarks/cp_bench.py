@@ -30,8 +30,8 @@ from attention_bench import tree_pairs
 from e2e_bench import MODELS, build, flops_per_token_and_pair, loss_fn, timed_steps
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.context_parallel import CP_CHUNKS, shard_micro_batch
-from megatron_tree.synthetic import multi_turn_batch
+from megatron_tree.core.context_parallel import padded_slots, shard_micro_batch, slot_multiple
+from megatron_tree.core.synthetic import multi_turn_batch
 
 
 def long_conversation(rng: np.random.Generator, slots: int, vocab: int) -> list[np.ndarray]:
@@ -42,7 +42,7 @@ def long_conversation(rng: np.random.Generator, slots: int, vocab: int) -> list[
 
 
 def run_size(model, optimizer, cfg, slots: int, cp: int, args, cuda: bool) -> dict:
-    from megatron_tree.schedule import tree_forward_backward
+    from megatron_tree.mcore.schedule import tree_forward_backward
 
     seqs = long_conversation(np.random.default_rng(slots), slots, cfg.vocab_size)
     mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=2 * slots))
@@ -50,7 +50,7 @@ def run_size(model, optimizer, cfg, slots: int, cp: int, args, cuda: bool) -> di
     mb = mbs[0]
     per_token, per_pair = flops_per_token_and_pair(cfg)
     pairs = tree_pairs(mb.attention_mask[0], mb.num_tokens)
-    padded = mb.padded_to(-(-mb.num_slots // (cp * CP_CHUNKS)) * cp * CP_CHUNKS)
+    padded = mb.padded_to(padded_slots(mb.num_slots, slot_multiple(cp=cp)))
     shard = shard_micro_batch(padded, cp, 0)
     row = dict(model=args.model, cp=cp, recompute=args.recompute, slots=slots, unique_tokens=mb.num_tokens,
                original_tokens=mb.num_original_tokens, sequences=len(seqs), pairs=pairs,
@@ -117,8 +117,8 @@ def main():
     ap.add_argument("--plot", help="write a PNG of every row in --out")
     args = ap.parse_args()
 
-    from megatron_tree.patches import apply_compat_patches
-    from megatron_tree.testing import cpu_mode, save_hf_config
+    from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.runtime import cpu_mode, save_hf_config
     from megatron_tree.train.config import ParallelConfig
     from megatron_tree.train.trainer import init_distributed
 

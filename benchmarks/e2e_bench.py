@@ -40,9 +40,9 @@ from step_profile import OPTIMIZER_REGION, profile_step
 from transformers import AutoConfig
 
 from megatron_tree import MicroBatchSpec, build_forest, pack_trees
-from megatron_tree.losses import sft_loss
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
-from megatron_tree.tree import as_sequences
+from megatron_tree.ops.losses import sft_loss
+from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
+from megatron_tree.core.tree import as_sequences
 
 MODELS = {
     "tiny": ("qwen3", dict(num_hidden_layers=2)),  # the test checkpoint's shape: CPU smoke runs of this harness
@@ -148,18 +148,9 @@ def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) ->
 
 def init_one_process(cuda: bool) -> None:
     """torch.distributed and megatron-core parallel state for one process (gloo CPU mode off CUDA)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron_tree.runtime import init_distributed
 
-    from megatron_tree.testing import init_cpu_distributed
-
-    if not cuda:
-        init_cpu_distributed(tp=1)
-        return
-    torch.cuda.set_device(0)
-    port = os.environ.get("MASTER_PORT", "29511")
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    init_distributed(seed=1, backend="nccl" if cuda else "gloo")
 
 
 def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool, backend: str = "auto"):
@@ -167,9 +158,9 @@ def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool, back
     (tree attention or upstream), wrapped in DDP, with Adam."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_tree.bridge import build_tree_model
+    from megatron_tree.mcore.bridge import build_model
 
-    _, model = build_tree_model(
+    _, model = build_model(
         path, tree=tree, bf16=bf16, recompute=recompute, load_weights=False, wrap_with_ddp=True, backend=backend,
         ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
     )
@@ -184,7 +175,7 @@ def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool, back
 
 def loss_fn(logprobs, mb):
     """Per-token mean negative log-likelihood as ``(sum, count)``."""
-    loss, metrics = sft_loss(logprobs, mb.cu_seqlens, reduction="sum")
+    loss, metrics = sft_loss(logprobs, mb.cu_targets, reduction="sum")
     return loss, metrics["normalizer"]
 
 
@@ -207,10 +198,10 @@ def main():
     if not cuda and args.model != "tiny":
         raise SystemExit("e2e_bench measures bf16 kernels on a CUDA GPU; without one only --model tiny "
                          "(a fp32 smoke run of the harness) is allowed")
-    from megatron_tree.config_overrides import have_transformer_engine
-    from megatron_tree.patches import apply_compat_patches
-    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
-    from megatron_tree.testing import cpu_mode, save_hf_config
+    from megatron_tree.core.platform import have_transformer_engine
+    from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
+    from megatron_tree.runtime import cpu_mode, save_hf_config
 
     arch, overrides = MODELS[args.model]
     spec = MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk")

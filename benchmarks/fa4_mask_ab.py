@@ -1,4 +1,4 @@
-"""The patched Hopper path for the tree ``mask_mod`` s (``patches/flash_attn.py``) against FA4's own, one CUDA GPU.
+"""The patched Hopper path for the tree ``mask_mod`` s (``megatron_tree/attention/fa4_kernels.py``) against FA4's own, one CUDA GPU.
 
     python benchmarks/fa4_mask_ab.py --out benchmarks/results/te/fa4_mask_ab.json
 
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import attention_bench as ab  # noqa: E402
 
-from megatron_tree.fa4_attention import fa4_tree_attention, fa4_tree_mask  # noqa: E402
+from megatron_tree.attention.fa4 import fa4_tree_attention, fa4_tree_mask  # noqa: E402
 
 
 def _generic_tree_mask():

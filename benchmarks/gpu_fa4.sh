@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # compiled kernels reused across the processes below
 python3 -c "import transformer_engine" 2>/dev/null || bash .te/te-setup.sh 2>&1 | tail -1
-python3 -c "from megatron_tree.fa4_attention import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
+python3 -c "from megatron_tree.attention.fa4 import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
 if [ "${PART:-kernel}" = kernel ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_attention.py 2>&1 \
     | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/fa4_tests.txt"

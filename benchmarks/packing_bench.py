@@ -17,9 +17,9 @@ import time
 import numpy as np
 
 from megatron_tree import MicroBatchSpec, build_forest, pack_trees
-from megatron_tree.metrics import PackingStats
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
-from megatron_tree.tree import as_sequences
+from megatron_tree.core.metrics import PackingStats
+from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
+from megatron_tree.core.tree import as_sequences
 
 
 def workloads(rng):

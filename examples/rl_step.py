@@ -29,11 +29,9 @@ from megatron.core import parallel_state as mpu
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_tree import (
-    MicroBatchSpec, balance_across_ranks, pack_trees, patch_bridge_for_tree_training, tree_forward_backward,
+    MicroBatchSpec, balance_across_ranks, cpu_mode, init_distributed, pack_trees, patch_bridge_for_tree_training,
+    ppo_clip_loss, save_tiny_hf_checkpoint, tree_forward_backward, tree_training_overrides,
 )
-from megatron_tree.config_overrides import tree_training_overrides
-from megatron_tree.losses import ppo_clip_loss
-from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
 
 
 @dataclass
@@ -77,7 +75,7 @@ def policy_logprobs(model, sequences: list[torch.Tensor], max_tokens_per_mb: int
 
     def keep(logprobs, mb):
         for k, i in enumerate(mb.sequence_ids):
-            out[i] = logprobs[mb.cu_seqlens[k] : mb.cu_seqlens[k + 1]].detach().float().cpu()
+            out[i] = logprobs[mb.cu_targets[k] : mb.cu_targets[k + 1]].detach().float().cpu()
         return logprobs.sum(), logprobs.numel()
 
     tree_forward_backward(model, pack_trees(sequences, MicroBatchSpec(max_tokens_per_mb=max_tokens_per_mb)), keep,
@@ -122,8 +120,8 @@ def grpo_step(model, optimizer, batch: Rollout, *, max_tokens_per_mb: int) -> di
         ids, dev = mb.sequence_ids, logprobs.device  # ids index seqs
         if not ids:  # a padding micro-batch (a DP rank with fewer trees): nothing to learn
             return logprobs.sum(), 0
-        per_token = adv[ids].to(dev).repeat_interleave(mb.cu_seqlens.diff().long(), output_size=logprobs.numel())
-        loss, m = ppo_clip_loss(logprobs, torch.cat([old_lp[i] for i in ids]).to(dev), per_token, mb.cu_seqlens,
+        per_token = adv[ids].to(dev).repeat_interleave(mb.cu_targets.diff().long(), output_size=logprobs.numel())
+        loss, m = ppo_clip_loss(logprobs, torch.cat([old_lp[i] for i in ids]).to(dev), per_token, mb.cu_targets,
                                 loss_mask=torch.cat([masks[i] for i in ids]).to(dev), reduction="sum")
         return loss, m["normalizer"]  # (sum, count): Megatron divides by the count of the global batch
 
@@ -137,22 +135,6 @@ def grpo_step(model, optimizer, batch: Rollout, *, max_tokens_per_mb: int) -> di
         total += d["loss"]
     dist.all_reduce(total, group=dp_group)  # of the global batch
     return dict(loss=float(total[0] / total[1]), grad_norm=float(grad_norm), sequences=len(seqs))
-
-
-def init_distributed(seed: int) -> None:
-    """torch.distributed + Megatron parallel state: data parallel over all processes (gloo on CPU,
-    NCCL on GPUs); alone or under torchrun."""
-    if not torch.cuda.is_available():
-        init_cpu_distributed(seed=seed)
-        return
-    from megatron.core import tensor_parallel
-
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    mpu.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def main(argv=None) -> list[dict]:
@@ -169,7 +151,7 @@ def main(argv=None) -> list[dict]:
     logging.getLogger("megatron_tree").setLevel(logging.INFO)  # the params dtype, the gradient finalisation
     records = []
     with cpu_mode():  # CPU only: megatron-core's CUDA calls mapped to the CPU; a no-op on GPUs
-        init_distributed(seed=1234)
+        init_distributed(seed=1234)  # data parallel over all processes: gloo on CPU, NCCL on GPUs
         path = args.hf_path or save_tiny_hf_checkpoint("qwen3", os.path.join(tempfile.gettempdir(), "rl_step_qwen3"))
         bridge, model, optimizer = build_policy(path, bf16=args.bf16, lr=args.lr)
         for step in range(args.steps):

@@ -5,6 +5,10 @@
 concurrent launches do not collide), with the repository root and ``tests/`` on
 ``PYTHONPATH`` and one OpenMP thread per process, and fails the calling test with the
 tail of the output when the script exits non-zero or runs past ``timeout`` seconds.
+
+Subprocesses of the suite run on the CPU (:func:`cpu_env` hides CUDA): the multi-process
+tests compare gloo runs on any machine, whatever its GPU count (one rank per GPU would need as
+many GPUs as ranks); the GPU multi-process checks are ``benchmarks/gpu_te_checks.sh``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ from typing import Sequence
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CURRENT_MARKERS: set[str] | None = None
+"""The running test's markers (set by ``conftest.py``; None outside pytest)."""
 TESTS_DIR = REPO_ROOT / "tests"
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess of the suite: CUDA hidden, one OpenMP thread, the repository
+    root and ``tests/`` on ``PYTHONPATH``; ``extra`` on top."""
+    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath, **extra}
 
 
 def run_torchrun(
@@ -34,13 +47,14 @@ def run_torchrun(
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    if CURRENT_MARKERS is not None and "multiprocess" not in CURRENT_MARKERS:
+        pytest.fail("a test that starts processes (run_torchrun) needs @pytest.mark.multiprocess (tests/conftest.py)")
     path = Path(script)
     if not path.is_absolute():
         path = TESTS_DIR / path
     if not path.is_file():
         raise ValueError(f"script {str(path)!r} does not exist; pass a path to a python file")
-    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+    env = cpu_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path), *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)

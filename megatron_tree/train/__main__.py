@@ -19,6 +19,9 @@ import sys
 import warnings
 from typing import Any, Sequence
 
+from megatron_tree.core.microbatch_spec import PACKING_ALGORITHMS
+from megatron_tree.train import config
+
 PROG = "megatron-tree-train"
 
 # flag -> (section.key, extra argparse keywords). Help texts and defaults come from the config classes.
@@ -30,17 +33,18 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--ep": ("parallel.ep", {}),
     "--cp": ("parallel.cp", {}),
     "--max-tokens-per-mb": ("micro_batch.max_tokens_per_mb", {}),
-    "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": ["ffd", "kk"]}),
+    "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": list(PACKING_ALGORITHMS)}),
     "--data-path": ("data.path", {"metavar": "FILE"}),
     "--batch-size": ("data.batch_size", {}),
     "--steps": ("train.steps", {}),
     "--lr": ("train.lr", {}),
     "--seed": ("train.seed", {}),
     "--tree-training": ("train.tree_training", {}),
-    "--loss": ("train.loss", {"choices": ["sft", "grpo", "ppo"]}),
+    "--loss": ("train.loss", {"choices": list(config.LOSSES)}),
     "--reward-model": ("train.reward_model", {"metavar": "DIR"}),
     "--kl-coef": ("train.kl_coef", {}),
-    "--recompute": ("train.recompute", {"choices": ["none", "full", "selective"]}),
+    "--recompute": ("train.recompute", {"choices": list(config.RECOMPUTE)}),
+    "--attention-backend": ("train.attention_backend", {"choices": list(config.BACKENDS)}),
     "--bf16": ("train.bf16", {}),
     "--verify-tree-model": ("train.verify_tree_model", {}),
     "--save": ("checkpoint.save", {"metavar": "DIR"}),
@@ -51,12 +55,12 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tensorboard-dir": ("logging.tensorboard_dir", {"metavar": "DIR"}),
     "--wandb-project": ("logging.wandb_project", {"metavar": "NAME"}),
     "--wandb-run-name": ("logging.wandb_run_name", {"metavar": "NAME"}),
-    "--wandb-mode": ("logging.wandb_mode", {"choices": ["online", "offline", "disabled"]}),
+    "--wandb-mode": ("logging.wandb_mode", {"choices": list(config.WANDB_MODES)}),
     "--progress": ("logging.progress", {}),
 }
 MICRO_BATCH_HELP = {
     "max_tokens_per_mb": ("capacity of a micro-batch in unique (tree) tokens", 1024),
-    "packing_algorithm": ("packing of trees into micro-batches: ffd | kk (Karmarkar-Karp)", "ffd"),
+    "packing_algorithm": ("packing of trees into micro-batches: ffd (first-fit decreasing) | kk (Karmarkar-Karp)", "ffd"),
 }
 
 
@@ -84,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tree training with Megatron: pack rollouts that share prefixes into prefix trees and train "
         "on them (CPU over gloo, GPUs over NCCL; run under torchrun for several processes).",
         epilog="Each flag overrides one key of the --config file (shown in brackets with its built-in default). "
-        "Rollout file schema: README.md, 'Rollout data'.",
+        "Rollout file schema: docs/launcher.md, 'Rollout data'.",
     )
     ap.add_argument("--config", metavar="YAML",
                     help="run config file (configs/*.yaml); flags override its keys [default: built-in defaults, "

@@ -27,14 +27,16 @@ from typing import Any, Mapping
 
 import yaml
 
-from megatron_tree.microbatch_spec import MicroBatchSpec
+from megatron_tree.attention import backend_names
+from megatron_tree.core.microbatch_spec import MicroBatchSpec
+from megatron_tree.runtime.tiny_models import TINY_ARCHS
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+ARCHS = TINY_ARCHS
 WORKLOADS = ("grpo", "multi_turn")
 RECOMPUTE = ("none", "full", "selective")
 LOSSES = ("sft", "grpo", "ppo")
 BALANCE = ("kk", "ffd", "round_robin")
-BACKENDS = ("auto", "dense", "flex")
+BACKENDS = backend_names()
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_SUFFIXES = (".jsonl", ".parquet")
 
@@ -134,7 +136,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(_Section):
     """``hf_path``: a local HF checkpoint (weights loaded). Else ``arch`` + ``hf_overrides``: a
-    random tiny HF checkpoint of that architecture (``megatron_tree.testing.tiny_hf_config``)
+    random tiny HF checkpoint of that architecture (``megatron_tree.runtime.cpu.tiny_hf_config``)
     is written to a temporary directory and loaded, or with ``random_init`` only its config,
     and Megatron initialises the weights (large shapes for benchmarks)."""
 
@@ -159,7 +161,7 @@ class ModelConfig(_Section):
                 )
             return
         self._need(self.arch in ARCHS, "arch", f"one of {ARCHS} (or set model.hf_path)")
-        from megatron_tree.testing import tiny_hf_config
+        from megatron_tree.runtime import tiny_hf_config
 
         try:
             tiny_hf_config(self.arch, **self.hf_overrides)
@@ -175,7 +177,7 @@ class ParallelConfig(_Section):
     vpp: int | None = _field(None, "virtual pipeline stages per rank (interleaved PP); num_hidden_layers % (pp*vpp) == 0")
     ep: int = _field(1, "expert parallel size (MoE)")
     cp: int = _field(1, "context parallel size: each micro-batch's slots split over cp ranks (long trees; the "
-                        "README says when)")
+                        "docs/results.md says when)")
 
     def _check(self) -> None:
         for key in ("tp", "pp", "ep", "cp"):
@@ -187,11 +189,11 @@ class ParallelConfig(_Section):
 @dataclass(frozen=True, kw_only=True)
 class DataConfig(_Section):
     """Rollouts from ``path`` (JSONL or Parquet, :mod:`megatron_tree.train.data`), else synthetic
-    ones (:mod:`megatron_tree.synthetic`): ``batch_size`` prompts (grpo) or conversations
+    ones (:mod:`megatron_tree.core.synthetic`): ``batch_size`` prompts (grpo) or conversations
     (multi_turn) per step, token ids in ``[0, vocab)`` (default: the model's)."""
 
     SECTION = "data"
-    path: str | None = _field(None, "rollout file (.jsonl or .parquet, schema in the README); null: synthetic rollouts")
+    path: str | None = _field(None, "rollout file (.jsonl or .parquet, schema in docs/launcher.md); null: synthetic rollouts")
     batch_size: int = _field(4, "groups per step: prompts (GRPO samples share a group) or conversations")
     workload: str = _field("grpo", "synthetic: grpo | multi_turn")
     samples: int = _field(4, "synthetic grpo: responses per prompt")
@@ -240,8 +242,10 @@ class TrainConfig(_Section):
     recompute: str = _field("none", "activation recompute: none | full | selective")
     bf16: bool = _field(False, "bf16 weights and activations (needs a CUDA GPU)")
     balance: str = _field("kk", "split of a batch over data-parallel ranks: kk | ffd | round_robin")
-    attention_backend: str = _field("auto", "tree attention kernel: auto | dense | flex")
-    verify_tree_model: bool = _field(False, "at start-up, check tree log-probs against per-sequence ones")
+    attention_backend: str = _field("auto", f"tree attention kernel: {' | '.join(BACKENDS)} (auto: per call the fastest "
+                                    f"backend proven exact on its shape)")
+    verify_tree_model: bool = _field(False, "at start-up, check tree log-probs and parameter gradients against "
+                                     "per-sequence runs on the dense reference attention (verify_tree_model)")
 
     def _check(self) -> None:
         self._need(self.steps >= 1, "steps", "an int >= 1")

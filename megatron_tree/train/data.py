@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import numpy as np
 
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch
+from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
 
 if TYPE_CHECKING:
     from megatron_tree.train.config import DataConfig
@@ -169,7 +168,7 @@ def _check_position(state: dict[str, Any], key: str, current: str) -> None:
 
 
 class SyntheticSource:
-    """Synthetic GRPO or multi-turn batches (:mod:`megatron_tree.synthetic`) drawn from
+    """Synthetic GRPO or multi-turn batches (:mod:`megatron_tree.core.synthetic`) drawn from
     ``seed + step`` (``seed`` alone with ``same_batch_every_step``): the same on every rank.
     Reward = share of token ids below ``vocab / 2``; groups = prompts / conversations."""
 

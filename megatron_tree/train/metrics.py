@@ -27,7 +27,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def format_line(record: dict[str, Any], steps: int) -> str:
-    """One console line per step (the README shows one)."""
+    """One console line per step (docs/launcher.md defines the columns)."""
     grad = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.4f}"
     return (
         f" iteration {record['step']:4d}/{steps} | loss {record['loss']:.5f} | grad norm {grad} | tokens/s "

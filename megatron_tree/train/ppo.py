@@ -3,7 +3,7 @@
 Per step, on this rank's micro-batches (prefix trees, or with ``tree_training: false`` each
 sequence its own chain; the numbers agree):
 
-1. forward only (:func:`~megatron_tree.forward_only.tree_forward_only`): the actor's log-probs
+1. forward only (:func:`~megatron_tree.mcore.forward_only.tree_forward_only`): the actor's log-probs
    (the old policy), the reference model's, the critic's per-token values and the reward
    model's per-sequence scores;
 2. per-token rewards on each sequence's loss tokens: ``-kl_coef * (old - ref)`` (a KL penalty
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tree.losses import ppo_clip_loss, value_loss
+from megatron_tree.ops.losses import ppo_clip_loss, value_loss
 
 
 @dataclasses.dataclass
@@ -47,21 +47,21 @@ def build_ppo_models(
     """Build the reference (a copy of ``actor``'s current weights), critic (+ optimizer from
     ``make_optimizer(chunks)``) and reward model for the run ``cfg`` from the HF checkpoint ``path``;
     tree models, or with ``tree=False`` upstream ones (the THD flat baseline)."""
-    from megatron_tree.bridge import build_tree_model
+    from megatron_tree.mcore.bridge import build_model
 
     t = cfg.train
     common = dict(tree=tree, backend=t.attention_backend, bf16=t.bf16, recompute=t.recompute)
     ddp = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
-    _, reference = build_tree_model(path, load_weights=False, wrap_with_ddp=False, **common)
+    _, reference = build_model(path, load_weights=False, wrap_with_ddp=False, **common)
     with torch.no_grad():
         for ref_chunk, chunk in zip(reference, actor):
             for ref_param, param in zip(ref_chunk.parameters(), chunk.parameters(), strict=True):
                 ref_param.copy_(param)
             ref_chunk.requires_grad_(False)
-    _, critic = build_tree_model(path, load_weights=load, value_head=True, wrap_with_ddp=True, ddp_config=ddp,
+    _, critic = build_model(path, load_weights=load, value_head=True, wrap_with_ddp=True, ddp_config=ddp,
                                  **common)  # fmt: skip
     reward_path = t.reward_model or path
-    _, reward = build_tree_model(reward_path, load_weights=load or bool(t.reward_model), value_head=True,
+    _, reward = build_model(reward_path, load_weights=load or bool(t.reward_model), value_head=True,
                                  wrap_with_ddp=False, **common)  # fmt: skip
     for chunk in reward:
         chunk.requires_grad_(False)
@@ -116,8 +116,8 @@ def ppo_step(
     every rank)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.forward_only import flat_forward_only, tree_forward_only
-    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
+    from megatron_tree.mcore.forward_only import flat_forward_only, tree_forward_only
+    from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
 
     t = cfg.train
     forward_only = tree_forward_only if tree else flat_forward_only
@@ -151,7 +151,7 @@ def ppo_step(
         ids = mb.sequence_ids
         if not ids:
             return logprobs.sum(), 0
-        loss, m = ppo_clip_loss(logprobs, gather(old, ids), gather(advantages, ids), mb.cu_seqlens,
+        loss, m = ppo_clip_loss(logprobs, gather(old, ids), gather(advantages, ids), mb.cu_targets,
                                 loss_mask=gather(masks, ids), clip_eps=t.clip_eps, reduction="sum")  # fmt: skip
         return loss, m["normalizer"]
 
@@ -159,7 +159,7 @@ def ppo_step(
         ids = mb.sequence_ids
         if not ids:
             return values.sum(), 0
-        loss, m = value_loss(values, gather(old_values, ids), gather(returns, ids), mb.cu_seqlens,
+        loss, m = value_loss(values, gather(old_values, ids), gather(returns, ids), mb.cu_targets,
                              loss_mask=gather(masks, ids), clip_eps=t.value_clip, reduction="sum")  # fmt: skip
         return loss, m["normalizer"]
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tree import BalanceStats, MicroBatchSpec, PackingStats, balance_across_ranks, pack_trees
-from megatron_tree.losses import ppo_clip_loss, sft_loss
+from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
 from megatron_tree.train.config import ParallelConfig, RunConfig, TrainConfig
 from megatron_tree.train.data import RolloutBatch, open_rollout_source
@@ -36,32 +36,9 @@ from megatron_tree.train.data import RolloutBatch, open_rollout_source
 def init_distributed(p: ParallelConfig, seed: int, cuda: bool) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPUs; joins torchrun's job when launched by it)
     and megatron-core's model-parallel groups of sizes ``p``, RNG tracker seeded with ``seed``."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron_tree.runtime import init_distributed as init
 
-    from megatron_tree.testing import init_cpu_distributed
-
-    if not cuda:
-        init_cpu_distributed(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, cp=p.cp, seed=seed)
-        return
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group("nccl")
-        else:
-            port = os.environ.get("MASTER_PORT", "29511")
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    world = dist.get_world_size()
-    if world % (p.tp * p.pp * p.cp):
-        raise ValueError(f"world size {world} is not divisible by tp * pp * cp = {p.tp} * {p.pp} * {p.cp}; launch a "
-                         f"multiple of {p.tp * p.pp * p.cp} processes (torchrun --nproc-per-node) or lower tp/pp/cp")
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp,
-        pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp,
-        expert_model_parallel_size=p.ep,
-        context_parallel_size=p.cp,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    init(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, cp=p.cp, seed=seed, backend="nccl" if cuda else "gloo")
 
 
 def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
@@ -80,19 +57,19 @@ def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
     Engine on GPUs, which runs the upstream model on THD-packed sequences (``flat_forward_backward``),
     unless context parallel is on (that path has none: the flat baseline then runs as chains through
     the tree model)."""
-    from megatron_tree.config_overrides import have_transformer_engine
+    from megatron_tree.core.platform import have_transformer_engine
 
     return cfg.train.tree_training or cfg.parallel.cp > 1 or not (cuda and have_transformer_engine())
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     """``(model chunks, optimizer, bridge)``: tree model (DDP-wrapped) and Megatron's Adam."""
-    from megatron_tree.bridge import build_tree_model
+    from megatron_tree.mcore.bridge import build_model as build_tree_or_flat
 
     # The flat baseline (tree_training=False): with Transformer Engine, Megatron's sequence packing
     # (the upstream model, THD segments through cuDNN attention); without it, the tree model's own
     # kernels on flat packing (each sequence its own chain).
-    bridge, model = build_tree_model(
+    bridge, model = build_tree_or_flat(
         path, tree=uses_tree_model(cfg, cuda), backend=cfg.train.attention_backend, bf16=cfg.train.bf16, recompute=cfg.train.recompute,
         load_weights=load, wrap_with_ddp=True,
         ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
@@ -143,13 +120,13 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray):
 
         loss_mask = at(mask)
         if train.loss == "sft":
-            loss, m = sft_loss(logprobs, mb.cu_seqlens, loss_mask=loss_mask, reduction="sum")
+            loss, m = sft_loss(logprobs, mb.cu_targets, loss_mask=loss_mask, reduction="sum")
             return loss, m["normalizer"]
         current = logprobs.detach()
         old_lp = current if old is None else torch.where(torch.isnan(at(old)), current, at(old))
         adv = advantages[mb.sequence_ids].to(logprobs)
-        per_token = adv.repeat_interleave(mb.cu_seqlens.diff().long(), output_size=logprobs.numel())
-        loss, m = ppo_clip_loss(logprobs, old_lp, per_token, mb.cu_seqlens, loss_mask=loss_mask,
+        per_token = adv.repeat_interleave(mb.cu_targets.diff().long(), output_size=logprobs.numel())
+        loss, m = ppo_clip_loss(logprobs, old_lp, per_token, mb.cu_targets, loss_mask=loss_mask,
                                 clip_eps=train.clip_eps, reduction="sum")
         if ref is not None:
             delta = at(ref) - logprobs
@@ -167,9 +144,10 @@ def peak_memory_gib(cuda: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, cuda) -> dict[str, Any]:
+def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, cuda, slot_multiple) -> dict[str, Any]:
     """Global (all-rank) metrics of step ``step`` (1-based); the loss is summed on the last
-    pipeline stage, then shared over the whole world so every rank reports the same value."""
+    pipeline stage, then shared over the whole world so every rank reports the same value.
+    ``slot_multiple``: what the schedule pads micro-batches to (for the context-parallel balance)."""
     from megatron.core import parallel_state as ps
 
     device = "cuda" if cuda else "cpu"
@@ -210,22 +188,22 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
         dp_tree_tokens=[int(r[1]) for r in per_rank],
         dp_tree_token_imbalance=BalanceStats.of([float(r[1]) for r in per_rank]).imbalance,
         peak_mem_gib=float(peak[0]),
-        **_context_parallel_balance(mbs, ps.get_context_parallel_world_size()),
+        **_context_parallel_balance(mbs, ps.get_context_parallel_world_size(), slot_multiple),
     )
 
 
-def _context_parallel_balance(mbs, cp: int) -> dict[str, Any]:
+def _context_parallel_balance(mbs, cp: int, multiple: int) -> dict[str, Any]:
     """``cp_rank_pairs`` (attention (query, key) pairs per CP rank, summed over this rank's micro-batches)
-    and ``cp_pair_imbalance`` (max / mean) of the CP layout; nothing without context parallel. Computed here
-    from each micro-batch padded to a multiple of ``cp * CP_CHUNKS`` slots: where the schedule pads further
-    (sequence parallel, one length for pipeline stages) its chunks, and so its balance, can differ slightly."""
+    and ``cp_pair_imbalance`` (max / mean) of the CP layout; nothing without context parallel. Each
+    micro-batch is padded as the schedule pads it (``multiple``: its slot multiple; the one length pipeline
+    stages share is not applied here)."""
     if cp == 1:
         return {}
-    from megatron_tree.context_parallel import CP_CHUNKS, context_parallel_layout
+    from megatron_tree.core.context_parallel import context_parallel_layout, padded_slots
 
     total = np.zeros(cp)
     for mb in mbs:
-        padded = mb.padded_to(-(-mb.num_slots // (cp * CP_CHUNKS)) * cp * CP_CHUNKS)
+        padded = mb.padded_to(padded_slots(mb.num_slots, multiple))
         total += context_parallel_layout(padded.position_ids, padded.num_tokens, cp)[1]
     return dict(cp_rank_pairs=[int(x) for x in total], cp_pair_imbalance=float(total.max() / total.mean()))
 
@@ -267,8 +245,8 @@ class Trainer:
         cfg = self.cfg
         from megatron.core import parallel_state as ps
 
-        from megatron_tree.patches import apply_compat_patches
-        from megatron_tree.testing import cpu_mode
+        from megatron_tree.compat import apply_compat_patches
+        from megatron_tree.runtime import cpu_mode
 
         # cpu_mode is a no-op on GPUs; the compat patches stay open for the whole run because
         # some are needed at run time (MoE on megatron-core 0.16.1 without Transformer Engine).
@@ -290,7 +268,7 @@ class Trainer:
         hf_config = AutoConfig.from_pretrained(path)
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
-        from megatron_tree.model_check import check_tree_model
+        from megatron_tree.mcore.model_check import check_tree_model
 
         self.tree_model = uses_tree_model(cfg, self.cuda)
         if self.tree_model:
@@ -307,7 +285,7 @@ class Trainer:
             self.ppo = build_ppo_models(cfg, path, load, self.model, lambda m: make_optimizer(cfg, m, self.cuda),
                                         tree=self.tree_model)  # fmt: skip
         if cfg.train.verify_tree_model:
-            from megatron_tree.verify import verify_tree_model
+            from megatron_tree.mcore.verify import verify_tree_model
 
             report = verify_tree_model(self.model)  # raises when the tree path is not exact
             self._info(f"verify_tree_model: {report}")
@@ -337,7 +315,7 @@ class Trainer:
         """(HF directory, whether to load its weights). Without ``model.hf_path``, rank 0 writes a
         random tiny HF checkpoint (only its config with ``random_init``) to a temporary directory
         that :meth:`close` removes; every rank reads it (one host)."""
-        from megatron_tree.testing import save_hf_config, save_tiny_hf_checkpoint
+        from megatron_tree.runtime import save_hf_config, save_tiny_hf_checkpoint
 
         m = self.cfg.model
         if m.hf_path:
@@ -414,7 +392,7 @@ class Trainer:
 
     def step(self, batch: RolloutBatch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns the step's record (written to the sinks)."""
-        from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
+        from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
 
         seqs = batch.sequences
         if self.dp > 1:
@@ -443,8 +421,10 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize()
         self.iteration += 1
+        from megatron_tree.mcore.schedule import schedule_slot_multiple
+
         record = step_record(self.iteration, losses, mbs, self.spec, seqs, shares, time.perf_counter() - t0, pack_s,
-                             grad_norm, self.cuda) | extra
+                             grad_norm, self.cuda, schedule_slot_multiple(self.model[0])) | extra
         for sink in self.sinks:
             sink.write(record)
         return record
@@ -476,6 +456,6 @@ class Trainer:
 
     @staticmethod
     def _destroy_distributed() -> None:
-        from megatron_tree.testing import destroy_cpu_distributed
+        from megatron_tree.runtime import destroy_distributed
 
-        destroy_cpu_distributed()
+        destroy_distributed()

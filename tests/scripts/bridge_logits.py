@@ -23,14 +23,14 @@ import torch.distributed as dist
 
 from safetensors.torch import load_file
 
-from megatron_tree.bridge import build_tree_model
-from megatron_tree.testing import (
+from megatron_tree.mcore.bridge import build_flat_model
+from megatron_tree.runtime import (
     cpu_mode,
-    destroy_cpu_distributed,
-    hf_reference_logits,
+    destroy_distributed,
     init_cpu_distributed,
     save_tiny_hf_checkpoint,
 )
+from megatron_tree.testing import hf_reference_logits
 TOL = 1e-5
 
 
@@ -51,7 +51,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, bool]:
     init_cpu_distributed(**sizes)
     path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, case.replace(":", "_")))
     input_ids = torch.randint(0, 160, (1, 11), generator=torch.Generator().manual_seed(5))
-    bridge, chunks = build_tree_model(path, tree=False)
+    bridge, chunks = build_flat_model(path)
     model = chunks[0].eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -81,7 +81,7 @@ def main() -> int:
             failed |= not (err <= TOL and export_ok)
             if dist.get_rank() == 0:
                 print(f"{case} max_abs_diff={err:.3e} export_ok={export_ok}", flush=True)
-    destroy_cpu_distributed()
+    destroy_distributed()
     return int(failed)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_tree import MicroBatchSpec, TreeMicroBatch, pack_trees
-from megatron_tree.logprobs import gather_tree_logprobs
+from megatron_tree.ops.logprobs import gather_tree_logprobs
 
 # Branching trees whose later branches are long, chains, stars, duplicates, 1-token sequences.
 BATCHES = {

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from logprobs_reference import BATCHES, compare, micro_batches
 
-from megatron_tree.logprobs import gather_tree_logprobs
+from megatron_tree.ops.logprobs import gather_tree_logprobs
 
 TOL = 1e-5
 

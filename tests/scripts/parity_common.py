@@ -1,7 +1,7 @@
 """Shared pieces of the tree-vs-per-sequence parity checks (pytest and torchrun scripts).
 
-Everything runs on CPU in fp32 inside :func:`megatron_tree.testing.cpu_mode`, after
-:func:`megatron_tree.testing.init_cpu_distributed`. Log-probs are dicts
+Everything runs on CPU in fp32 inside :func:`megatron_tree.runtime.cpu.cpu_mode`, after
+:func:`megatron_tree.runtime.cpu.init_cpu_distributed`. Log-probs are dicts
 ``{sequence id: fp32 [len - 1]}`` (``log p(s[t+1] | s[:t+1])``).
 """
 
@@ -13,8 +13,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.bridge import build_tree_model
-from megatron_tree.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
+from megatron_tree.mcore import bridge
+from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
 
 VOCAB = 160  # save_tiny_hf_checkpoint's vocabulary
 
@@ -45,10 +45,10 @@ def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
 
 
 def build_model(hf_path: str, *, tree: bool, bf16: bool = False, recompute: str = "none"):
-    """Model chunks built by :func:`build_tree_model` from ``hf_path`` with its weights loaded
+    """Model chunks built by :func:`build_tree_model` / :func:`build_flat_model` from ``hf_path`` with its weights loaded
     (fp32, or bf16 wrapped in ``Float16Module`` whose outputs are fp32): tree attention and
     per-token RoPE with ``tree=True``, the upstream (flat, causal) model with ``tree=False``."""
-    return build_tree_model(hf_path, tree=tree, bf16=bf16, recompute=recompute, wrap_with_ddp=False)[1]
+    return bridge.build_model(hf_path, tree=tree, bf16=bf16, recompute=recompute, wrap_with_ddp=False)[1]
 
 
 def _tp_group():
@@ -68,7 +68,7 @@ def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
         logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
         lp = gather_tree_logprobs(logits, mb, tp_group=_tp_group())
         for k, sid in enumerate(mb.sequence_ids):
-            out[sid] = lp[mb.cu_seqlens[k] : mb.cu_seqlens[k + 1]]
+            out[sid] = lp[mb.cu_targets[k] : mb.cu_targets[k + 1]]
     return out
 
 

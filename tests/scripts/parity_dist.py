@@ -36,13 +36,13 @@ from scripts.parity_common import (
     weighted_sum,
 )
 
-from megatron_tree.testing import (
+from megatron_tree.runtime import (
     cpu_mode,
-    destroy_cpu_distributed,
+    destroy_distributed,
     init_cpu_distributed,
     save_tiny_hf_checkpoint,
 )
-from megatron_tree.patches import apply_compat_patches
+from megatron_tree.compat import apply_compat_patches
 
 TOL = 1e-5
 
@@ -83,7 +83,7 @@ def main() -> int:
             if dist.get_rank() == 0:
                 print(f"{case} logprob={errs[0].item():.3g} grad={errs[1].item():.3g}", flush=True)
             failed += float(errs.max().item() >= TOL)
-        destroy_cpu_distributed()
+        destroy_distributed()
     return int(failed.item() > 0)
 
 

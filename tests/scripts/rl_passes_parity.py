@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.losses import value_loss
-from megatron_tree.packing import build_micro_batch
-from megatron_tree.patches import apply_compat_patches
-from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_hf_config, save_tiny_hf_checkpoint
+from megatron_tree.ops.losses import value_loss
+from megatron_tree.core.packing import build_micro_batch
+from megatron_tree.compat import apply_compat_patches
+from megatron_tree.runtime import cpu_mode, init_distributed, save_hf_config, save_tiny_hf_checkpoint
 from schedule_parity import branching_batch
 
 
@@ -67,30 +67,20 @@ def main():
 
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
-    from megatron_tree.bridge import build_tree_model
-    from megatron_tree.config_overrides import have_transformer_engine
-    from megatron_tree.forward_only import flat_forward_only, tree_forward_only
-    from megatron_tree.logprobs import vocab_parallel_logprobs
-    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
+    from megatron_tree.mcore.bridge import build_model
+    from megatron_tree.core.platform import have_transformer_engine
+    from megatron_tree.mcore.forward_only import flat_forward_only, tree_forward_only
+    from megatron_tree.ops.logprobs import vocab_parallel_logprobs
+    from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
 
     cuda = torch.cuda.is_available()
     with apply_compat_patches(), cpu_mode():
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl")
-            ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
-                                          context_parallel_size=args.cp)
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.model_parallel_cuda_manual_seed(7)
-        else:
-            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, cp=args.cp, seed=7)
+        init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, cp=args.cp, seed=7)
         rank, device = dist.get_rank(), torch.device("cuda" if cuda else "cpu")
         path = save_tiny_hf_checkpoint(args.arch, os.path.join(args.ckpt, "policy"), num_hidden_layers=4)
 
         def build(hf_path, *, tree=True, value=False, bf16=False):
-            return build_tree_model(
+            return build_model(
                 hf_path, tree=tree, bf16=bf16, recompute=args.recompute, wrap_with_ddp=True,
                 extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
                 ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
@@ -190,7 +180,7 @@ def main():
             if not mb.sequence_ids:
                 return values.sum(), 0
             cat = lambda xs: torch.cat([xs[i] for i in mb.sequence_ids])  # noqa: E731
-            loss, metrics = value_loss(values, cat(old), cat(returns), mb.cu_seqlens, clip_eps=0.2, reduction="sum")
+            loss, metrics = value_loss(values, cat(old), cat(returns), mb.cu_targets, clip_eps=0.2, reduction="sum")
             return loss, metrics["normalizer"]
 
         def step(mbs, critic=critic, run=tree_forward_backward, loss_fn=critic_loss, **head):

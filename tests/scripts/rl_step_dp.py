@@ -58,7 +58,7 @@ def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
 def main() -> int:
     work_dir, single_path = sys.argv[1], sys.argv[2]
     rl_step = load_example()
-    from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+    from megatron_tree.runtime import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
 
     with cpu_mode():
         init_cpu_distributed()

@@ -22,7 +22,6 @@ The functions are also used in-process by ``tests/test_moe_router_stats.py``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from contextlib import nullcontext
 from unittest import mock
@@ -31,9 +30,9 @@ import numpy as np
 import torch
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.logprobs import vocab_parallel_logprobs
-from megatron_tree.losses import sft_loss
-from megatron_tree.packing import build_micro_batch
+from megatron_tree.ops.logprobs import vocab_parallel_logprobs
+from megatron_tree.ops.losses import sft_loss
+from megatron_tree.core.packing import build_micro_batch
 
 TOL = 1e-5
 
@@ -69,14 +68,14 @@ def batch(rng: np.random.Generator, vocab: int) -> list[np.ndarray]:
 
 
 def loss_fn(logprobs, mb):
-    loss, metrics = sft_loss(logprobs, mb.cu_seqlens, reduction="sum")
+    loss, metrics = sft_loss(logprobs, mb.cu_targets, reduction="sum")
     return loss, metrics["normalizer"]
 
 
 def build(path: str, case: str, *, tree: bool = True, weighted: bool = True, recompute: str = "none"):
     """Model chunks for ``case`` (DDP-wrapped, fp32); ``weighted=False``: tree model whose
     routers are left as upstream's (each slot counted once)."""
-    from megatron_tree.bridge import build_tree_model
+    from megatron_tree.mcore.bridge import build_model
 
     kwargs = dict(
         recompute=recompute,
@@ -87,11 +86,11 @@ def build(path: str, case: str, *, tree: bool = True, weighted: bool = True, rec
     # mbridge maps no name for the expert-bias buffer: load the checkpoint into a model
     # without it and copy the weights over.
     bias = CASES[case].get("moe_router_enable_expert_bias", False)
-    with mock.patch("megatron_tree.rope.weigh_router_statistics", lambda gpt: None) if not weighted else nullcontext():
-        chunks = build_tree_model(path, tree=tree, load_weights=not bias, **kwargs)[1]
+    with mock.patch("megatron_tree.mcore.rope.weigh_router_statistics", lambda gpt: None) if not weighted else nullcontext():
+        chunks = build_model(path, tree=tree, load_weights=not bias, **kwargs)[1]
     if bias:
         kwargs["extra_args"] = dict(attention_dropout=0.0, hidden_dropout=0.0)
-        source = build_tree_model(path, tree=tree, **kwargs)[1]
+        source = build_model(path, tree=tree, **kwargs)[1]
         for chunk, src in zip(chunks, source):
             missing, unexpected = chunk.module.load_state_dict(src.module.state_dict(), strict=False)
             assert not unexpected and all(k.endswith("expert_bias") for k in missing), (missing, unexpected)
@@ -142,7 +141,7 @@ def _step(model, run) -> dict:
 
 
 def tree_step(model, mbs) -> dict:
-    from megatron_tree.schedule import tree_forward_backward
+    from megatron_tree.mcore.schedule import tree_forward_backward
 
     return _step(model, lambda: tree_forward_backward(model, mbs, loss_fn))
 
@@ -228,7 +227,7 @@ def run_case(
     tree = tree_step(build(path, case, recompute=recompute), mbs)
     chains_mbs = [build_micro_batch(seqs, g, share_prefixes=False) for g in groups]
     chains = tree_step(build(path, case, recompute=recompute), chains_mbs)
-    with mock.patch("megatron_tree.schedule.tree_padding_mask", lambda mb: None):
+    with mock.patch("megatron_tree.mcore.schedule.tree_padding_mask", lambda mb: None):
         unweighted = tree_step(build(path, case, weighted=False, recompute=recompute), mbs)
     ref = chains
     if rows:
@@ -252,20 +251,12 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.patches import apply_compat_patches
-    from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+    from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.runtime import cpu_mode, init_distributed, save_tiny_hf_checkpoint
 
     ok = True
     with apply_compat_patches(), cpu_mode():
-        if torch.cuda.is_available():
-            from megatron.core import tensor_parallel
-
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl")
-            ps.initialize_model_parallel(pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep)
-            tensor_parallel.model_parallel_cuda_manual_seed(7)
-        else:
-            init_cpu_distributed(ep=args.ep, pp=args.pp, seed=7)
+        init_distributed(ep=args.ep, pp=args.pp, seed=7)
         path = save_tiny_hf_checkpoint("qwen3_moe", args.ckpt, num_hidden_layers=2)
         rank = dist.get_rank()
         # Same lengths on every data-parallel rank (so the row batches have one shape), different tokens.

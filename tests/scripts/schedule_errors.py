@@ -16,9 +16,9 @@ import sys
 import numpy as np
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.bridge import build_tree_model
-from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
-from megatron_tree.patches import apply_compat_patches
+from megatron_tree.mcore.bridge import build_flat_model, build_tree_model
+from megatron_tree.runtime import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.compat import apply_compat_patches
 
 
 def expect(fn, pattern: str) -> None:
@@ -63,7 +63,7 @@ def cp_errors(args, tree_forward_backward) -> None:
     swapped = pack_trees([np.r_[np.arange(10, 28), 29, 28], np.arange(10, 25)], MicroBatchSpec(max_tokens_per_mb=48))
     expect(lambda: tree_forward_backward(model, swapped if dist.get_rank() else same, lambda lp, mb: (-lp.sum(), lp.numel())),
            "context-parallel ranks hold different micro-batches")
-    expect(lambda: build_tree_model(path, tree=False), "megatron-core's own attention has no context parallel")
+    expect(lambda: build_flat_model(path), "megatron-core's own attention has no context parallel")
     moe = save_tiny_hf_checkpoint("qwen3_moe", args.ckpt + "_moe", num_hidden_layers=2)
     expect(lambda: build_tree_model(moe, extra_args=dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.5)),
            "context_parallel_size=1")
@@ -80,7 +80,7 @@ def main():
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
-    from megatron_tree.schedule import tree_forward_backward
+    from megatron_tree.mcore.schedule import tree_forward_backward
 
     with apply_compat_patches(), cpu_mode():
         if args.ep > 1:

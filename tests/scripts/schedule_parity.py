@@ -20,7 +20,6 @@ Prints ``PARITY rank=R loss_rel=... grad_rel=...`` and exits non-zero on a misma
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
@@ -28,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_tree import MicroBatchSpec, pack_trees
-from megatron_tree.patches import apply_compat_patches
-from megatron_tree.losses import sft_loss
-from megatron_tree.packing import build_micro_batch
-from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.compat import apply_compat_patches
+from megatron_tree.ops.losses import sft_loss
+from megatron_tree.core.packing import build_micro_batch
+from megatron_tree.runtime import cpu_mode, init_distributed, save_tiny_hf_checkpoint
 
 
 def branching_batch(vocab: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -53,7 +52,7 @@ def branching_batch(vocab: int, rng: np.random.Generator) -> list[np.ndarray]:
 
 
 def loss_fn(logprobs, mb):
-    loss, metrics = sft_loss(logprobs, mb.cu_seqlens, reduction="sum")
+    loss, metrics = sft_loss(logprobs, mb.cu_targets, reduction="sum")
     return loss, metrics["normalizer"]
 
 
@@ -77,28 +76,18 @@ def main():
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
-    from megatron_tree.bridge import build_tree_model
-    from megatron_tree.config_overrides import have_transformer_engine
-    from megatron_tree.schedule import flat_forward_backward, tree_forward_backward
+    from megatron_tree.mcore.bridge import build_model
+    from megatron_tree.core.platform import have_transformer_engine
+    from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
 
     cuda = torch.cuda.is_available()
     # Runtime needs the compat patches too (MoE on megatron-core 0.16.1 without TE), so they
     # stay open for the whole run, not only while the model is built.
     with apply_compat_patches(), cpu_mode():
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl")
-            ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                          virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
-                                          expert_tensor_parallel_size=args.etp, context_parallel_size=args.cp)
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.model_parallel_cuda_manual_seed(7)
-        else:
-            init_cpu_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, cp=args.cp, seed=7)
+        init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, cp=args.cp, etp=args.etp, seed=7)
         path = save_tiny_hf_checkpoint(args.arch, args.ckpt, num_hidden_layers=args.layers)
         def build(bf16: bool, tree: bool = True):
-            return build_tree_model(
+            return build_model(
                 path, tree=tree, bf16=bf16, recompute=args.recompute, extra_args=dict(attention_dropout=0.0, hidden_dropout=0.0),
                 wrap_with_ddp=True,
                 ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),

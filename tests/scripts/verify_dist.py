@@ -13,11 +13,11 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_tree.bridge import build_tree_model
-from megatron_tree.patches import apply_compat_patches
-from megatron_tree.rope import TreeRotaryEmbedding
-from megatron_tree.testing import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
-from megatron_tree.verify import verify_tree_model
+from megatron_tree.mcore.bridge import build_tree_model
+from megatron_tree.compat import apply_compat_patches
+from megatron_tree.mcore.rope import TreeRotaryEmbedding
+from megatron_tree.runtime import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.mcore.verify import verify_tree_model
 
 
 def packed_index_rope(self, max_seq_len, *args, **kwargs):

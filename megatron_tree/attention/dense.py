@@ -1,0 +1,35 @@
+"""The ``"dense"`` tree attention backend: PyTorch SDPA with the materialised ``[Tq, T]`` tree mask.
+
+The reference every other backend is tested against; runs on any device and dtype, with
+attention dropout. Memory and time grow with Tq * T, so it is for tests and small micro-batches.
+Backend interface: :class:`megatron_tree.attention.TreeAttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_tree.core.masks import dense_tree_mask
+
+__all__ = ["attend", "prepare"]
+
+
+def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense mask bool ``[b, 1, Tq, T]`` (True = attend; the head dim broadcasts)."""
+    return torch.stack([dense_tree_mask(row, query_slots) for row in subtree_end]).unsqueeze(1)
+
+
+def attend(query, key, value, prepared, *, scale, dropout_p):
+    """SDPA over query ``[b, np, Tq, hn]``, key/value ``[b, ng, T, hn]`` with the mask from :func:`prepare`."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=prepared, dropout_p=dropout_p, scale=scale
+    )
+
+
+def refusal(shape, *, batch: int, dropout_p: float) -> None:
+    """Backend ``refusal``: the dense reference computes every call (any head dims, GQA ratio, dtype, device)."""
+    return None

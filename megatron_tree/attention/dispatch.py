@@ -1,0 +1,374 @@
+"""Tree attention: the backend registry, the per-micro-batch mask cache and :func:`tree_attention` (Megatron layout).
+
+Shape legend: s = slots (query and key length, self-attention), b = batch (1 for a tree
+micro-batch), np = query heads per TP rank, ng = key/value heads per TP rank (GQA: np % ng == 0),
+hn = head dim.
+
+Megatron hands ``core_attention`` ``query [s, b, np, hn]``, ``key``/``value [s, b, ng, hn]`` and
+the ``attention_mask`` given to ``GPTModel.forward``. Here that mask is the interval vector
+``subtree_end`` (int ``[b, s]``, see :mod:`megatron_tree.core.masks`): key j is visible to query i iff
+``j <= i < subtree_end[b, j]``. The output is ``[s, b, np * hn]``.
+
+Backends turn the interval vector into what their kernel needs (``prepare``) and run attention
+(``attend``). ``prepare`` runs at most once per micro-batch: its result is cached on the mask
+tensor's memory, so the layers of a model and their recomputation share it. One module per
+backend, registered here by name (:func:`register_tree_attention_backend` adds more):
+
+* ``"dense"`` (:mod:`megatron_tree.attention.dense`): SDPA with the materialised mask; the
+  reference, any device, dtype, head dims and dropout.
+* ``"flex"`` (:mod:`megatron_tree.attention.flex`): block-sparse FlexAttention (Triton) from the
+  interval vector; CUDA, b = 1, no attention dropout, fp32 included.
+* ``"fa4"`` (:mod:`megatron_tree.attention.fa4`): FlashAttention-4's block-sparse CuTe kernels;
+  Hopper with ``flash-attn-4``, bf16, b = 1, no attention dropout.
+* ``"auto"`` (the default) picks per call the fastest backend proven exact on it: ``"fa4"``; for a
+  micro-batch without a branch (a forest of chains) where FA4 does not run, Transformer Engine's
+  cuDNN varlen attention (:mod:`megatron_tree.attention.te_chains`); ``"flex"``; else ``"dense"``.
+
+No kernel is trusted beyond the shapes whose gradients a GPU test compared: each backend module
+has a ``PROVEN`` table (:class:`~megatron_tree.attention.shapes.ProvenShapes`: head dim, v head
+dim, GQA ratio, dtype, GPU generation; FA4 also its pinned version) and runs a call on the proven
+kernel shape that fits it (head dims zero-padded, K/V heads repeated) or not at all. ``auto``
+warns once per shape when it passes over an installed fast kernel for that reason;
+:mod:`megatron_tree.attention.conformance` is the GPU check that proves a backend on more shapes.
+
+Context parallel (CP > 1, :mod:`megatron_tree.core.context_parallel`): each rank holds s of the
+micro-batch's T slots and ``attention_mask`` is ``cat(slot_order, subtree_end)`` int ``[1, 2T]``.
+Key and value are all-gathered over the CP group and put back into DFS order; the rank's s
+queries (global slots ``slot_order[rank * s:(rank + 1) * s]``) attend to all T keys.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from megatron_tree.attention import dense as dense_attention
+from megatron_tree.attention import fa4 as fa4_attention
+from megatron_tree.attention import flex as flex_attention
+from megatron_tree.attention import te_chains as chain_attention
+from megatron_tree.attention.shapes import AttentionShape, device_generation
+from megatron_tree.core.platform import have_transformer_engine
+
+__all__ = [
+    "PREPARED_MASKS",
+    "TreeAttentionBackend",
+    "backend_names",
+    "get_tree_attention_backend",
+    "register_tree_attention_backend",
+    "tree_attention",
+]
+
+
+@dataclass(frozen=True)
+class TreeAttentionBackend:
+    """A way to run tree attention.
+
+    prepare(subtree_end, query_slots=None) -> Any
+        ``subtree_end`` int ``[b, s]`` (already validated); ``query_slots`` int ``[sq]`` or None:
+        the slot of each query row (context parallel), None = all s slots in order. Returns what
+        ``attend`` needs; it is computed once per micro-batch and cached, so build the expensive
+        parts here.
+    attend(query, key, value, prepared, *, scale, dropout_p) -> Tensor
+        ``query [b, np, sq, hn]``, ``key [b, ng, s, hn]``, ``value [b, ng, s, dv]`` (GQA: np % ng == 0,
+        query head h reads key/value head ``h // (np // ng)``). Returns ``[b, np, sq, dv]``; ``scale``
+        multiplies ``q @ k^T``; ``dropout_p`` is the attention-probability dropout (0 in eval).
+    refusal(shape, *, batch, dropout_p) -> str | None
+        Why ``attend`` does not compute a call of this :class:`~megatron_tree.attention.shapes.AttentionShape`
+        exactly (not proven on it, no such kernel here, dropout, b > 1), or None when it does. A kernel
+        is trusted only on the shapes whose gradients a GPU test compared (its ``PROVEN`` table).
+        Asked before every call: an explicit backend raises it, ``auto`` passes to the next backend.
+    """
+
+    name: str
+    prepare: Callable[[torch.Tensor], Any]
+    attend: Callable[..., torch.Tensor]
+    refusal: Callable[..., str | None]
+
+
+_BACKENDS: dict[str, TreeAttentionBackend] = {}
+
+
+def register_tree_attention_backend(backend: TreeAttentionBackend) -> None:
+    """Make ``backend`` selectable by its name; a second backend of the same name is an error."""
+    if not isinstance(backend, TreeAttentionBackend):
+        raise TypeError(f"expected a TreeAttentionBackend, got {type(backend).__name__}")
+    if backend.name in _BACKENDS:
+        raise ValueError(f"a tree attention backend named {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+
+
+def backend_names() -> tuple[str, ...]:
+    """The registered backends' names, ``"auto"`` first (the choices of a ``backend`` setting)."""
+    return ("auto", *sorted(n for n in _BACKENDS if n != "auto"))
+
+
+def get_tree_attention_backend(name: str) -> TreeAttentionBackend:
+    """The registered backend called ``name``."""
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown tree attention backend {name!r}; registered: {sorted(_BACKENDS)}"
+        )
+    return _BACKENDS[name]
+
+
+for _name, _module in (("dense", dense_attention), ("flex", flex_attention), ("fa4", fa4_attention)):
+    register_tree_attention_backend(
+        TreeAttentionBackend(name=_name, prepare=_module.prepare, attend=_module.attend, refusal=_module.refusal)
+    )
+
+_PASSED_OVER: set[tuple[str, AttentionShape]] = set()
+"""(backend, shape) pairs ``auto`` has warned about: a fast kernel here that is not proven on the shape."""
+
+
+def _pass_over(name: str, shape: AttentionShape, reason: str) -> None:
+    """Warn once per (backend, shape) that ``auto`` skips an installed fast kernel because it is unproven there."""
+    if (name, shape) not in _PASSED_OVER:
+        _PASSED_OVER.add((name, shape))
+        warnings.warn(
+            f"tree attention 'auto' does not use {name} for {shape}: {reason}. It runs a slower backend that is "
+            f"exact there. To prove {name} on this shape, run `python -m megatron_tree.attention.conformance` on this "
+            f"GPU (see the README, attention backends)",
+            stacklevel=3,
+        )
+
+
+def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> dict:
+    """What ``auto`` may need, by kernel: ``"fa4"`` the FA4 block tables where those kernels run (CUDA
+    Hopper/Blackwell, flash-attn-4); else ``"chains"`` = ``(cu_seqlens, max_seqlen)`` when the
+    micro-batch has no branch, Transformer Engine is installed and every slot is a query; else
+    ``"flex"`` on CUDA and ``"dense"`` elsewhere. ``attend`` adds a flex or dense mask later if the call's dtype, head dim or
+    dropout needs one (a dict: the cached entry is updated in place, so that happens once per mask)."""
+    prepared = {"masks": (subtree_end, query_slots)}
+    cuda_one = subtree_end.is_cuda and subtree_end.shape[0] == 1
+    if cuda_one and fa4_attention.fa4_available(subtree_end.device):
+        prepared["fa4"] = fa4_attention.prepare(subtree_end, query_slots)
+        return prepared
+    if query_slots is None and cuda_one and have_transformer_engine():
+        cu = chain_attention.chain_segments(subtree_end)
+        if cu is not None:
+            prepared["chains"] = (cu, int((cu[1:] - cu[:-1]).max()))
+            return prepared
+    if cuda_one:
+        prepared["flex"] = flex_attention.prepare(subtree_end, query_slots)
+    else:
+        prepared["dense"] = dense_attention.prepare(subtree_end, query_slots)
+    return prepared
+
+
+def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
+    # The fastest kernel proven exact on this call, in order (benchmarks/attention_bench.py, H200):
+    # a micro-batch without a branch (prepared where FA4 does not run) -> TE's cuDNN varlen attention;
+    # -> FA4's block-sparse kernels (with or without branches: on the no-sharing batch they beat TE's
+    # cuDNN THD varlen attention, 1.67 vs 2.25 ms); -> FlexAttention; else the dense reference. An
+    # installed kernel passed over because it is not proven on the call is warned about once.
+    masks = prepared["masks"]
+    shape = AttentionShape.of(query, key, value)
+    batch = masks[0].shape[0]
+    if "chains" in prepared and query.dtype in (torch.bfloat16, torch.float16):
+        reason = chain_attention.refusal(shape, dropout_p=dropout_p)
+        if reason is None:
+            return chain_attention.te_chain_attention(query, key, value, *prepared["chains"], scale=scale)
+    if "fa4" in prepared:
+        reason = fa4_attention.refusal(shape, batch=batch, dropout_p=dropout_p)
+        if reason is None:
+            return fa4_attention.attend(query, key, value, prepared["fa4"], scale=scale, dropout_p=dropout_p)
+        if query.dtype == torch.bfloat16 and not dropout_p:
+            _pass_over("fa4", shape, reason)
+    if masks[0].is_cuda and not dropout_p:
+        reason = flex_attention.refusal(shape, batch=batch, dropout_p=dropout_p)
+        if reason is None:
+            if "flex" not in prepared:
+                prepared["flex"] = flex_attention.prepare(*masks)
+            return flex_attention.attend(query, key, value, prepared["flex"], scale=scale, dropout_p=dropout_p)
+        if batch == 1:
+            _pass_over("flex", shape, reason)
+    if "dense" not in prepared:
+        prepared["dense"] = dense_attention.prepare(*masks)
+    return dense_attention.attend(query, key, value, prepared["dense"], scale=scale, dropout_p=dropout_p)
+
+
+register_tree_attention_backend(
+    TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend, refusal=dense_attention.refusal)
+)
+
+
+def check_subtree_end(subtree_end: torch.Tensor, batch: int, slots: int) -> None:
+    """Raise unless ``subtree_end`` is an int tensor ``[batch, slots]`` (no host sync)."""
+    if not isinstance(subtree_end, torch.Tensor):
+        raise TypeError(
+            f"tree attention needs attention_mask = the int interval vector [b, s] of a tree "
+            f"micro-batch (TreeMicroBatch.attention_mask), got {type(subtree_end).__name__}"
+        )
+    if subtree_end.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"tree attention needs an int32/int64 interval vector as attention_mask, got dtype "
+            f"{subtree_end.dtype} of shape {tuple(subtree_end.shape)}: pass "
+            f"TreeMicroBatch.attention_mask, not a dense or boolean mask"
+        )
+    if tuple(subtree_end.shape) != (batch, slots):
+        raise ValueError(
+            f"tree attention_mask has shape {tuple(subtree_end.shape)}, expected [b, s] = "
+            f"{[batch, slots]} (one subtree end per slot of the micro-batch)"
+        )
+
+
+def check_subtree_end_values(subtree_end: torch.Tensor) -> None:
+    """Raise unless ``j < subtree_end[:, j] <= s`` for every slot j (one host sync)."""
+    slots = subtree_end.shape[-1]
+    idx = torch.arange(slots, device=subtree_end.device)
+    ok = (subtree_end > idx) & (subtree_end <= slots)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[:8].tolist()
+        raise ValueError(
+            f"tree attention_mask is not an interval vector: every slot j needs "
+            f"j < subtree_end[b, j] <= {slots}; violated at [b, j] = {bad} with values "
+            f"{[int(subtree_end[b, j]) for b, j in bad]}"
+        )
+
+
+class _PreparedMaskCache:
+    """What each backend prepared for the last few masks, keyed on the mask's memory.
+
+    Keys are (backend, device, data_ptr, shape, stride, version counter). The entry holds the
+    mask tensor itself, so its memory cannot be reused by another tensor while the entry lives;
+    ``detach()`` (done by activation recompute) shares memory and version counter, so a
+    recomputed layer finds the entry its forward made. In-place edits bump the version and miss
+    (edits through ``.data`` bypass the version counter: do not edit a mask in flight that way).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
+
+    def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor, cp: tuple[int, int] | None = None) -> Any:
+        """``backend.prepare(subtree_end)``, computed on the first call for this mask.
+
+        ``cp = (rank, size)`` (context parallel): ``subtree_end`` is the CP mask ``[1, 2T]``
+        (module docstring); returns ``(prepared for the rank's queries, inverse [T] int64: the
+        rank-order position of each global slot)``."""
+        key = (
+            backend.name,
+            cp,
+            str(subtree_end.device),
+            subtree_end.data_ptr(),
+            tuple(subtree_end.shape),
+            subtree_end.stride(),
+            None if subtree_end.is_inference() else subtree_end._version,
+        )
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit[1]
+        if cp is None:
+            check_subtree_end_values(subtree_end)
+            prepared = backend.prepare(subtree_end)
+        else:
+            prepared = _prepare_context_parallel(backend, subtree_end, *cp)
+        self._entries[key] = (subtree_end, prepared)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return prepared
+
+    def clear(self) -> None:
+        """Drop every cached entry (frees the prepared masks)."""
+        self._entries.clear()
+
+
+def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor, rank: int, size: int) -> tuple:
+    """``(backend.prepare(subtree_end, this rank's query slots), inverse)`` from the CP mask ``[1, 2T]``
+    (validated: the subtree ends, and the slot order is a permutation of ``0..T-1``; two host syncs)."""
+    t = mask.shape[1] // 2
+    order, subtree_end = mask[0, :t].long(), mask[:, t:]
+    check_subtree_end_values(subtree_end)
+    if not torch.equal(order.sort().values, torch.arange(t, device=order.device)):
+        raise ValueError(
+            "context-parallel attention_mask: its first T entries must be a permutation of the slots 0..T-1 "
+            "(ContextParallelShard.attention_mask from megatron_tree.core.context_parallel.shard_micro_batch)"
+        )
+    s = t // size
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(t, device=order.device)
+    return backend.prepare(subtree_end, order[rank * s : (rank + 1) * s]), inverse
+
+
+# Two entries: the micro-batch in flight plus one whose backward (and recompute) is pending.
+# Deeper pipelines keep more micro-batches in flight: their recompute then prepares again
+# (correct, only slower). PREPARED_MASKS.clear() frees the cached masks after a step.
+PREPARED_MASKS = _PreparedMaskCache(capacity=2)
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    subtree_end: torch.Tensor,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Attention of a DFS-laid-out tree micro-batch, Megatron layout.
+
+    query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, dv], subtree_end int [b, s] ->
+    [s, b, np * dv] (dv = hn but in MLA). ``scale`` None means ``1 / sqrt(hn)``. With a ``cp_group``
+    of more than one rank (context parallel, module docstring) the s slots are this rank's share of
+    T = s * cp, b = 1, and ``subtree_end`` is the CP mask int ``[1, 2T]``. A named ``backend`` that is
+    not proven on this call (its ``refusal``) raises ``ValueError`` with the reason; ``"auto"`` takes
+    the fastest backend that is.
+    """
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"expected query [s, b, np, hn], key [s, b, ng, hn] and value [s, b, ng, dv], got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    s, b, n_q, hn = query.shape
+    if isinstance(subtree_end, torch.Tensor) and subtree_end.device != query.device:
+        raise ValueError(
+            f"attention_mask is on {subtree_end.device} but query is on {query.device}; move the "
+            f"micro-batch to the model's device (TreeMicroBatch.to)"
+        )
+    if key.shape[0] != s or key.shape[1] != b or key.shape[3] != hn or n_q % key.shape[2]:
+        raise ValueError(
+            f"tree attention is self-attention over one micro-batch: key/value must be "
+            f"[{s}, {b}, ng, {hn}] with {n_q} % ng == 0, got {tuple(key.shape)}"
+        )
+    impl = get_tree_attention_backend(backend)
+    shape = AttentionShape(hn, value.shape[3], n_q // key.shape[2], query.dtype, device_generation(query.device))
+    reason = impl.refusal(shape, batch=b, dropout_p=dropout_p)
+    if reason is not None:
+        raise ValueError(
+            f"tree attention backend {backend!r} does not run this call: {reason}. Use backend='auto' (the fastest "
+            f"backend proven on each call) or 'dense' (the reference; any shape, dtype and device)"
+        )
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    if cp > 1:
+        from megatron_tree.core.context_parallel import gather_slots
+
+        if isinstance(subtree_end, torch.Tensor) and (b != 1 or tuple(subtree_end.shape) != (1, 2 * s * cp)):
+            raise ValueError(
+                f"under context parallel ({cp} ranks) tree attention takes one micro-batch (b = 1, got {b}) and "
+                f"attention_mask = the shard's int [1, 2T] = [1, {2 * s * cp}] (ContextParallelShard.attention_mask), "
+                f"got shape {tuple(getattr(subtree_end, 'shape', ()))}"
+            )
+        check_subtree_end(subtree_end, 1, 2 * s * cp)
+        prepared, inverse = PREPARED_MASKS.get(impl, subtree_end, (torch.distributed.get_rank(cp_group), cp))
+        # All T keys / values in DFS order: gathered in CP-rank order, then permuted back.
+        key, value = (gather_slots(x, cp_group).index_select(0, inverse) for x in (key, value))
+    else:
+        check_subtree_end(subtree_end, b, s)
+        prepared = PREPARED_MASKS.get(impl, subtree_end)
+    out = impl.attend(
+        query.permute(1, 2, 0, 3),
+        key.permute(1, 2, 0, 3),
+        value.permute(1, 2, 0, 3),
+        prepared,
+        scale=1.0 / math.sqrt(hn) if scale is None else scale,
+        dropout_p=dropout_p,
+    )
+    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * value.shape[3])

@@ -1,0 +1,320 @@
+"""Tree attention through FlashAttention-4's CuTe DSL kernels, block-sparse over the tree (Hopper, Blackwell).
+
+Shape legend: b = batch (1), h = query heads, hkv = key/value heads (h % hkv == 0), T = slots,
+Tq = query rows (T, or a context-parallel rank's share), d = head dim, nq / nk = 128-slot query /
+key blocks (``ceil(Tq / 128)``, ``ceil(T / 128)``).
+
+Mask (the interval encoding, :mod:`megatron_tree.core.masks`): key j is visible to query i iff
+``j <= i < subtree_end[j]``. The kernels are the ``flash-attn-4`` package's (``flash_attn.cute``,
+pinned to :data:`FA4_VERSION`: its block-sparse interface is still moving): warp-specialised,
+TMA-fed wgmma (Hopper) / tcgen05 (Blackwell) forward and backward that visit only the tiles the
+block tables list. The tables are :func:`megatron_tree.attention.flex.classify_blocks`' (exact:
+"full" tiles skip the mask, "partial" tiles evaluate it per element, empty tiles are never loaded),
+in both directions: query block -> key blocks for the forward and dQ, key block -> query blocks
+for dK / dV. The per-element mask is a CuTe ``mask_mod`` reading ``subtree_end`` (and, under
+context parallel, each query row's slot) from global memory.
+
+No padding of q / k / v: the kernels mask the ragged last tile; only ``subtree_end`` (and the
+query slots) are padded to a multiple of 128 so the mask never reads past them. Kernels are
+compiled on first use per (dtype, head layout, mask kind) and reused for every length.
+
+bf16 only (the kernels have no fp32 path; fp16 is unproven): fp32 / fp16 runs take ``"flex"`` or ``"dense"``.
+
+Trusted only where a GPU test compared its gradients (:data:`PROVEN`: bf16 on Hopper, head dims 64 / 96 /
+128, MHA and GQA 2:1, flash-attn-4 4.0.0b36; 4.0.0b36 returns a wrong dQ at head dims 72 - 112 and
+refuses 192 / 256). Other head dims up to 128 run zero-padded onto a proven one, larger GQA ratios
+with K/V heads repeated onto ratio 2; anything else is refused.
+
+As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend` /
+:func:`refusal` (b = 1, no attention dropout, the shapes above); ``"auto"`` picks it for the calls
+it computes exactly, wherever it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, fit_to_kernel, kernel_shape
+from megatron_tree.attention.flex import (
+    _check_qkv,
+    _check_subtree_end,
+    _ordered_tables,
+    classify_blocks,
+    pad_query_slots,
+    pad_subtree_end,
+)
+
+__all__ = [
+    "FA4_VERSION",
+    "FA4TreeMask",
+    "PROVEN",
+    "attend",
+    "check_model",
+    "fa4_available",
+    "fa4_tree_attention",
+    "fa4_tree_mask",
+    "fa4_unavailable_reason",
+    "prepare",
+    "refusal",
+]
+
+FA4_VERSION = "4.0.0b36"
+"""The ``flash-attn-4`` release this module is written and tested against (``pip install flash-attn-4==4.0.0b36``)."""
+
+PROVEN = ProvenShapes.grid(
+    head_dims=(64, 96, 128), gqa_ratios=(1, 2), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="flash-attn-4 4.0.0b36, H200, torch 2.11: out / dQ / dK / dV on a ragged 14,101-slot branching tree "
+    "within dense bf16's own error of the fp32 reference (head dims 72, 80, 104, 112: dQ off by 1.3; 192, 256: "
+    "refused by the kernel); tests/test_fa4_attention.py at 64 MHA and 128 GQA 2:1",
+)
+"""Where the FA4 kernels of :data:`FA4_VERSION` were proven exact: other head dims up to 128 run zero-padded
+onto these, GQA ratios 4, 8, ... with K/V heads repeated onto ratio 2 (:func:`fit_to_kernel`); fp16,
+head dims above 128, a v head dim of its own (MLA) and other GPU generations are refused."""
+
+BLOCK = 128
+"""Sparse block size, query and key, forward and backward: the Hopper forward tile, and two of the
+backward's 64-row query tiles. (64-row backward tables were tried on the H200: no faster on the
+benchmark trees, twice the table build time, and the head-dim-64 and query-slot GPU tests failed.)"""
+
+
+@functools.cache
+def _fa4_import_error() -> str | None:
+    """None when ``flash_attn.cute`` of :data:`FA4_VERSION` imports, else why not."""
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return f"flash-attn-4 is not installed (pip install flash-attn-4=={FA4_VERSION})"
+    if version != FA4_VERSION:
+        return f"flash-attn-4 {version} is installed; this backend is written for {FA4_VERSION} (pip install flash-attn-4=={FA4_VERSION})"
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as exc:  # a broken CUDA / CuTe DSL install surfaces here
+        return f"flash_attn.cute does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def fa4_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the FA4 backend cannot run on ``device`` (default: the current CUDA device), None if it can.
+    Names every missing prerequisite (GPU, GPU generation, the flash-attn-4 package)."""
+    device = None if device is None else torch.device(device)
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("it needs a CUDA GPU (Hopper sm90 or Blackwell sm100)")
+    elif device is not None and device.type != "cuda":
+        problems.append(f"the tensors are on {device}, not on a CUDA GPU")
+    else:
+        major = torch.cuda.get_device_capability(device)[0]
+        if major not in (9, 10):
+            problems.append(f"it runs on Hopper (sm90) and Blackwell (sm100) GPUs; this GPU is sm{major}x")
+    missing = _fa4_import_error()
+    if missing is not None:
+        problems.append(f"{missing}; or pip install -e '.[fa4]'")
+    return "the FA4 tree attention backend cannot run: " + "; ".join(problems) if problems else None
+
+
+def _require(device: torch.device | None) -> None:
+    """ValueError with :func:`fa4_unavailable_reason` and what to use instead, unless FA4 runs on ``device``."""
+    reason = fa4_unavailable_reason(device)
+    if reason is not None:
+        instead = "'flex' or 'auto'" if torch.cuda.is_available() else "'auto' or 'dense' (no CUDA GPU here)"
+        raise ValueError(f"{reason}. Use backend={instead}.")
+
+
+def fa4_available(device: torch.device | None = None) -> bool:
+    """True when :func:`fa4_tree_attention` runs on ``device``: Hopper/Blackwell and flash-attn-4 :data:`FA4_VERSION`."""
+    return fa4_unavailable_reason(device) is None
+
+
+@functools.cache
+def _mask_mods():
+    """The CuTe ``mask_mod`` s: ``(tree, tree_with_query_slots)``; aux tensors ``[subtree_end]`` / ``[subtree_end, slots]``."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    from megatron_tree.attention.fa4_kernels import lean_tree_mask
+
+    @cute.jit
+    def tree_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        end = utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]], cutlass.Int32)
+        return (kv_idx <= q_idx) & (q_idx < end)
+
+    @cute.jit
+    def tree_mask_query_slots(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        end = utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]], cutlass.Int32)
+        slot = utils.scalar_to_ssa(aux_tensors[1][q_idx[0]], cutlass.Int32)
+        return (kv_idx <= slot) & (slot < end)
+
+    lean_tree_mask(tree_mask, tree_mask_query_slots)
+    return tree_mask, tree_mask_query_slots
+
+
+@dataclass(frozen=True)
+class FA4TreeMask:
+    """What the FA4 kernels need for one micro-batch (built once, shared by all layers).
+
+    ``aux``: ``[subtree_end int32 [nk * 128]]`` (+ ``slots int32 [nq * 128]``, -1 = padding row, under
+    context parallel); ``forward`` / ``backward``: ``flash_attn.cute`` ``BlockSparseTensorsTorch``
+    (query -> key blocks, key -> query blocks); ``num_slots`` T, ``num_queries`` Tq.
+    """
+
+    aux: tuple[torch.Tensor, ...]
+    forward: object
+    backward: object
+    num_slots: int
+    num_queries: int
+
+
+def fa4_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FA4TreeMask:
+    """Block tables and mask inputs of the tree mask for the FA4 kernels (no host sync).
+
+    ``subtree_end`` int [T] or [1, T] (``j < subtree_end[j] <= T``, not re-checked here);
+    ``query_slots`` int [Tq] (context parallel) or None (Tq = T, row i is slot i).
+    """
+    end = _check_subtree_end(subtree_end)
+    _require(end.device)
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    t = end.shape[0]
+    end_padded = pad_subtree_end(end, -(-t // BLOCK) * BLOCK)
+    slots, tq = None, t
+    if query_slots is not None:
+        tq = query_slots.numel()
+        slots = pad_query_slots(query_slots, -(-tq // BLOCK) * BLOCK)
+    partial, full = classify_blocks(end_padded, BLOCK, slots)
+    forward = BlockSparseTensorsTorch(*_ordered_tables(partial), *_ordered_tables(full), block_size=(BLOCK, BLOCK))
+    backward = BlockSparseTensorsTorch(
+        *_ordered_tables(partial.T.contiguous()), *_ordered_tables(full.T.contiguous()), block_size=(BLOCK, BLOCK)
+    )
+    aux = (end_padded,) if slots is None else (end_padded, slots)
+    return FA4TreeMask(aux, forward, backward, t, tq)
+
+
+def _flash(query, key, value, mask: FA4TreeMask, softmax_scale: float) -> torch.Tensor:
+    """The FA4 kernels as they are, on any shape they accept (the conformance harness measures them raw):
+    query [1, h, Tq, d], key [1, hkv, T, d], value [1, hkv, T, dv] -> [1, h, Tq, dv]."""
+    from flash_attn.cute.interface import flash_attn_func
+
+    tree_mask, tree_mask_query_slots = _mask_mods()
+    out, _ = flash_attn_func(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=softmax_scale,
+        mask_mod=tree_mask if len(mask.aux) == 1 else tree_mask_query_slots,
+        aux_tensors=list(mask.aux),
+        block_sparse_tensors=mask.forward,
+        block_sparse_tensors_bwd=mask.backward,
+    )
+    return out.transpose(1, 2)
+
+
+def fa4_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: FA4TreeMask,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Tree attention by FlashAttention-4's block-sparse kernels, on the shapes they are proven on. Differentiable.
+
+    query [1, h, Tq, d], key [1, hkv, T, d], value [1, hkv, T, dv] (bf16, CUDA, h % hkv == 0), ``mask`` from
+    :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, dv]. The call runs on
+    the proven kernel shape :data:`PROVEN` fits it to (head dims zero-padded, K/V heads repeated:
+    :func:`~megatron_tree.attention.shapes.kernel_shape`); a call no proven kernel computes is refused
+    (``ValueError``, with what to use).
+    """
+    _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
+    problem = _refusal(query, key, value)
+    if problem is not None:
+        raise problem
+    if mask.aux[0].device != query.device:
+        raise ValueError(f"the FA4 tree mask is on {mask.aux[0].device} but query is on {query.device}")
+    scale = query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    kernel = kernel_shape(PROVEN, AttentionShape.of(query, key, value))
+    out = _flash(*fit_to_kernel(query, key, value, kernel), mask, scale)
+    return out[..., : value.shape[-1]] if kernel[1] != value.shape[-1] else out
+
+
+def _refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0) -> Exception | None:
+    """Why :func:`fa4_tree_attention` does not run this call, as the exception to raise; None when it does (no
+    attention dropout, bf16/fp16, b = 1, FA4 runs on the device, a proven kernel shape fits the call)."""
+    if dropout_p:
+        return ValueError(
+            f"the fa4 tree attention backend has no attention dropout (got {dropout_p}); set "
+            f"attention_dropout=0 or use backend='dense'"
+        )
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return TypeError(
+            f"the FA4 tree attention kernels run bf16/fp16, got {query.dtype}; use backend='flex' or 'dense' for fp32"
+        )
+    if query.shape[0] != 1:
+        return ValueError(f"FA4 tree attention takes one micro-batch (b = 1), got b = {query.shape[0]}")
+    unavailable = fa4_unavailable_reason(query.device)
+    if unavailable is not None:
+        return ValueError(f"{unavailable}. Use backend='auto' (it picks a backend that runs here) or 'dense'.")
+    return _unproven(AttentionShape.of(query, key, value))
+
+
+def _unproven_reason(shape: AttentionShape) -> str | None:
+    """What FA4 is proven on, unless a proven kernel shape computes ``shape``."""
+    if kernel_shape(PROVEN, shape) is not None:
+        return None
+    return (
+        f"flash-attn-4 {FA4_VERSION} is proven exact (forward and backward against the dense reference) {PROVEN.describe()} "
+        f"(smaller head dims and larger GQA ratios run padded / repeated onto those); this call is {shape}"
+    )
+
+
+def _unproven(shape: AttentionShape) -> ValueError | None:
+    reason = _unproven_reason(shape)
+    if reason is None:
+        return None
+    return ValueError(f"{reason}. Use backend='auto' (it sends such calls to a backend proven there) or 'dense'")
+
+
+def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | None:
+    """Backend ``refusal``: why the fa4 backend does not compute a call of ``shape`` exactly, None when it does."""
+    if dropout_p:
+        return f"the fa4 backend has no attention dropout (attention_dropout={dropout_p})"
+    if shape.dtype not in (torch.bfloat16, torch.float16):
+        return f"the FA4 kernels run bf16/fp16, not {shape.dtype}"
+    if batch != 1:
+        return f"the fa4 backend takes one micro-batch (b = 1), got b = {batch}"
+    unavailable = fa4_unavailable_reason(None if shape.device.startswith("sm") else torch.device(shape.device))
+    return unavailable if unavailable is not None else _unproven_reason(shape)
+
+
+def check_model(shape: AttentionShape, dropout_p: float) -> None:
+    """Raise at model build time (``TreeCoreAttention(backend="fa4")``) what the first forward would: no FA4
+    here, an fp32 model, attention dropout, a head dim / GQA ratio / dtype FA4 is not proven on."""
+    _require(None)
+    if shape.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError("backend='fa4' runs bf16/fp16 models, this one is fp32: build it with bf16=True, "
+                         "or use backend='auto' (FA4 for bf16/fp16, FlexAttention for fp32)")
+    if dropout_p:
+        raise ValueError(f"backend='fa4' has no attention dropout (attention_dropout={dropout_p}); set it to 0 "
+                         f"or use backend='dense'")
+    problem = _unproven(shape)
+    if problem is not None:
+        raise problem
+
+
+def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FA4TreeMask:
+    """Backend ``prepare``: :func:`fa4_tree_mask`, after checking the kernels run on this device."""
+    _require(subtree_end.device)
+    if subtree_end.dim() != 2 or subtree_end.shape[0] != 1:
+        raise ValueError(f"the fa4 tree attention backend takes one micro-batch mask [1, T], got shape {tuple(subtree_end.shape)}")
+    return fa4_tree_mask(subtree_end, query_slots)
+
+
+def attend(query, key, value, prepared, *, scale, dropout_p):
+    """Backend ``attend``: query ``[1, np, Tq, hn]``, key ``[1, ng, T, hn]``, value ``[1, ng, T, dv]`` -> ``[1, np, Tq, dv]``."""
+    if dropout_p:
+        raise _refusal(query, key, value, dropout_p)
+    return fa4_tree_attention(query, key, value, prepared, softmax_scale=scale)

@@ -1,0 +1,147 @@
+"""Which attention calls a kernel is trusted on: the shapes whose gradients a GPU test compared.
+
+A kernel that is right on one head dim can be silently wrong on another (flash-attn-4 4.0.0b36 on
+an H200: head dims 64 / 96 / 128 exact, 72 / 80 / 104 / 112 a wrong dQ, 192 / 256 an error at the
+first call). So every tree attention backend declares, as :class:`ProvenShapes`, the calls on
+which its forward and backward (out, dQ, dK, dV) were compared against the dense fp64 reference
+on a GPU (:mod:`megatron_tree.attention.conformance`), and is used on those only: ``auto``
+sends every other call to a backend that is exact there, an explicit backend refuses it.
+
+A call's shape (:class:`AttentionShape`): q/k head dim, v head dim (they differ in MLA), query
+heads per key/value head (the GQA ratio), dtype, and the device's generation (``"cpu"``,
+``"sm90"`` for Hopper, ``"sm100"`` for Blackwell, ...). Versions (a pinned kernel package) are
+checked by the backend itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+__all__ = ["AttentionShape", "ProvenShapes", "device_generation", "fit_to_kernel", "kernel_shape"]
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def device_generation(device: torch.device | str) -> str:
+    """``"cpu"`` (or another non-CUDA device type) or ``"sm<major><minor>"`` of a CUDA device (``"sm90"`` on H100/H200)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What decides whether a kernel computes an attention call right.
+
+    head_dim     q / k head dim (``query.shape[-1]``).
+    v_head_dim   value head dim (``value.shape[-1]``; equal to ``head_dim`` except in MLA).
+    gqa_ratio    query heads per key/value head (1 = MHA).
+    dtype        the inputs' dtype.
+    device       :func:`device_generation` of the inputs' device.
+    """
+
+    head_dim: int
+    v_head_dim: int
+    gqa_ratio: int
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> "AttentionShape":
+        """The shape of a call on query ``[b, np, Tq, d]``, key ``[b, ng, T, d]``, value ``[b, ng, T, dv]``."""
+        return cls(query.shape[-1], value.shape[-1], query.shape[1] // key.shape[1], query.dtype,
+                   device_generation(query.device))
+
+    def __str__(self) -> str:
+        dims = f"head dim {self.head_dim}" + ("" if self.v_head_dim == self.head_dim else f" (v {self.v_head_dim})")
+        ratio = "MHA" if self.gqa_ratio == 1 else f"GQA {self.gqa_ratio}:1"
+        return f"{dims}, {ratio}, {_DTYPE_NAMES.get(self.dtype, str(self.dtype))} on {self.device}"
+
+
+@dataclass(frozen=True)
+class ProvenShapes:
+    """The calls on which a backend's forward and backward were compared against the dense reference.
+
+    ``shapes``: ``(head_dim, v_head_dim, gqa_ratio, dtype)`` tuples, each proven on every device
+    generation of ``devices``. ``evidence`` names the runs that proved them (tests, committed
+    conformance output). Build the cross product of a grid with :meth:`grid`.
+    """
+
+    shapes: frozenset[tuple[int, int, int, torch.dtype]]
+    devices: frozenset[str]
+    evidence: str
+
+    @classmethod
+    def grid(cls, head_dims: Iterable[int | tuple[int, int]], gqa_ratios: Iterable[int], dtypes: Iterable[torch.dtype],
+             devices: Iterable[str], evidence: str) -> "ProvenShapes":
+        """Every combination; a head dim is ``d`` (v head dim ``d``) or ``(d, dv)``."""
+        dims = [(d, d) if isinstance(d, int) else tuple(d) for d in head_dims]
+        shapes = frozenset((d, dv, r, t) for (d, dv), r, t in itertools.product(dims, gqa_ratios, dtypes))
+        return cls(shapes, frozenset(devices), evidence)
+
+    def __or__(self, other: "ProvenShapes") -> "ProvenShapes":
+        if self.devices != other.devices:
+            raise ValueError("ProvenShapes of different devices do not combine; keep them apart")
+        return ProvenShapes(self.shapes | other.shapes, self.devices, f"{self.evidence}; {other.evidence}")
+
+    def proves(self, shape: AttentionShape) -> bool:
+        """True when ``shape``'s exact combination was compared on ``shape.device``'s generation."""
+        return shape.device in self.devices and (
+            (shape.head_dim, shape.v_head_dim, shape.gqa_ratio, shape.dtype) in self.shapes
+        )
+
+    def head_dims(self, shape: AttentionShape) -> list[int]:
+        """The proven head dims (v head dim equal) for ``shape``'s GQA ratio, dtype and device, ascending."""
+        if shape.device not in self.devices:
+            return []
+        return sorted(d for d, dv, r, t in self.shapes if d == dv and r == shape.gqa_ratio and t == shape.dtype)
+
+    def describe(self) -> str:
+        """One line per (GQA ratio, dtype): the proven head dims, and the devices."""
+        rows: dict[tuple[int, str], list[str]] = {}
+        for d, dv, r, t in sorted(self.shapes, key=lambda s: (s[2], _DTYPE_NAMES.get(s[3], ""), s[0], s[1])):
+            rows.setdefault((r, _DTYPE_NAMES.get(t, str(t))), []).append(str(d) if d == dv else f"{d}/v{dv}")
+        lines = [f"{'MHA' if r == 1 else f'GQA {r}:1'} {t}: head dims {', '.join(ds)}" for (r, t), ds in rows.items()]
+        return f"on {', '.join(sorted(self.devices))}: " + "; ".join(lines)
+
+
+def kernel_shape(proven: ProvenShapes, shape: AttentionShape) -> tuple[int, int, int] | None:
+    """The proven kernel shape ``(head_dim, v_head_dim, gqa_ratio)`` that computes ``shape`` exactly, or None.
+
+    A call runs on a proven kernel of head dims ``d' >= d``, ``dv' >= dv`` and GQA ratio ``r'`` dividing
+    the call's ``r``: q / k are zero-padded to ``d'`` (zeros add nothing to ``q . k``, and the padded
+    columns of dQ / dK are dropped), v to ``dv'`` (its zero columns give zero output columns, dropped),
+    and each key/value head is repeated ``r / r'`` times (autograd sums dK / dV over the copies). Of
+    the candidates the least padding wins, then the fewest copies.
+    """
+    if shape.device not in proven.devices:
+        return None
+    fits = [
+        (d, dv, r) for d, dv, r, t in proven.shapes
+        if t == shape.dtype and d >= shape.head_dim and dv >= shape.v_head_dim and shape.gqa_ratio % r == 0
+    ]
+    return min(fits, key=lambda f: (f[0] + f[1], -f[2]), default=None)
+
+
+def fit_to_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  kernel: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query ``[b, np, Tq, d]``, key ``[b, ng, T, d]``, value ``[b, ng, T, dv]`` as the :func:`kernel_shape`
+    ``kernel`` takes them: ``[b, np, Tq, d']``, ``[b, np / r', T, d']``, ``[b, np / r', T, dv']`` (the
+    same tensors where nothing changes). Slice the output's last dim back to ``dv``; pass the softmax
+    scale of the true head dim."""
+    d, dv, ratio = kernel
+    repeat = query.shape[1] // key.shape[1] // ratio
+    pad = torch.nn.functional.pad
+    if query.shape[-1] != d:
+        query, key = pad(query, (0, d - query.shape[-1])), pad(key, (0, d - key.shape[-1]))
+    if value.shape[-1] != dv:
+        value = pad(value, (0, dv - value.shape[-1]))
+    if repeat > 1:  # expand + reshape: autograd sums the copies' gradients in one reduction (fp32 accumulation)
+        key, value = (x.unsqueeze(2).expand(-1, -1, repeat, -1, -1).flatten(1, 2) for x in (key, value))
+    return query, key, value

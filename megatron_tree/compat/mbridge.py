@@ -1,0 +1,287 @@
+"""Fixes of mbridge problems, one function per problem (mbridge 0.15.1).
+
+Compatibility pieces (each returns the :class:`~megatron_tree.core.patching.AttrPatch` list its problem
+needs in this process, empty when the installed versions do not have it; applied by
+:func:`megatron_tree.compat.apply_compat_patches`):
+
+- :func:`model_type_encoder_and_decoder` -- megatron-core releases whose ModelType lacks ``encoder_and_decoder``.
+- :func:`hf_rope_theta` -- transformers >= 5 moved ``rope_theta`` into ``rope_parameters``.
+- :func:`local_layer_spec` -- no Transformer Engine: build megatron-core's local spec.
+- :func:`local_spec_weight_names` -- map the local spec's parameter names to HF names.
+- :func:`qwen_moe_norm_topk_prob` -- follow the HF config's ``norm_topk_prob`` in the router.
+- :func:`tied_embedding_mapping_per_bridge` -- a tied-embedding bridge must not rename ``output_layer`` for all others.
+
+The class-level swaps last only while the block is open. What a bridge built inside it needs
+later is stored on that bridge and stays for its whole life: the local-spec weight-name
+mapping (bound on the instance by ``get_model``), a Qwen-MoE bridge's ``_build_config``, and
+the ``rope_theta`` written onto its HF config.
+
+The hooks tree training builds on (a spec and a model transform) are feature code:
+:mod:`megatron_tree.mcore.bridge_hooks`. Checked against mbridge 0.15.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import types
+from typing import Any
+
+from megatron_tree.core.patching import AttrPatch
+from megatron_tree.core.platform import have_transformer_engine
+
+# --------------------------------------------------------------------------- compat pieces
+
+_REMOVED_MODEL_TYPE = object()
+
+
+def model_type_encoder_and_decoder() -> list[AttrPatch]:
+    """Give ``mbridge.core.util`` a ``ModelType`` that still has ``encoder_and_decoder``.
+
+    Needed by mbridge 0.15.1 with megatron-core releases whose ``ModelType`` (the one in
+    ``megatron.core.transformer.enums`` that mbridge imports) has no ``encoder_and_decoder``
+    at all: ``mbridge.core.util.get_model`` compares against it and raises
+    ``AttributeError`` on every ``bridge.get_model``. (megatron-core 0.16.1 keeps it as a
+    deprecated class property, so the comparison is merely False there and this is a no-op.) The replacement namespace
+    holds the real members plus a sentinel for the removed one that equals no model type,
+    so mbridge's encoder-decoder branches are never taken. megatron-core's enum itself is
+    left untouched. No-op where the member exists.
+    """
+    from mbridge.core import util
+
+    if hasattr(util.ModelType, "encoder_and_decoder"):
+        return []
+    members = {member.name: member for member in util.ModelType}
+    legacy = types.SimpleNamespace(**members, encoder_and_decoder=_REMOVED_MODEL_TYPE)
+    return [AttrPatch(util, "ModelType", legacy, "megatron-core without ModelType.encoder_and_decoder")]
+
+
+def _expose_rope_theta(hf_config: Any) -> None:
+    """Set ``hf_config.rope_theta`` from ``hf_config.rope_parameters`` (transformers >= 5) if it is missing."""
+    if hasattr(hf_config, "rope_theta"):
+        return
+    params = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(
+            f"{type(hf_config).__name__}.rope_parameters has rope_type={rope_type!r}; mbridge 0.15.1 reads only "
+            f"rope_theta under transformers>=5 and would silently drop the scaling. Use a checkpoint with "
+            f"rope_type='default' or a transformers<5 / newer mbridge release."
+        )
+    hf_config.rope_theta = params["rope_theta"]
+
+
+def hf_rope_theta() -> list[AttrPatch]:
+    """Make ``hf_config.rope_theta`` exist again before a bridge is built (transformers >= 5).
+
+    Needed by mbridge 0.15.1 with transformers >= 5, where config classes keep RoPE
+    settings only in ``config.rope_parameters`` (``{"rope_type", "rope_theta", ...}``) and
+    ``config.rope_theta`` raises ``AttributeError``; mbridge reads ``hf_config.rope_theta``
+    (``LLMBridge._get_gptmodel_args``, ``LLaMABridge``). Wraps ``Bridge.__init__`` to copy
+    ``rope_parameters["rope_theta"]`` onto the config (and its ``text_config``, if any).
+    Non-default ``rope_type`` raises ``ValueError`` because mbridge would ignore it.
+    No-op when the config class still has ``rope_theta``.
+    """
+    import transformers
+    from mbridge.core.bridge import Bridge
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return []
+    original = Bridge.__init__
+
+    @functools.wraps(original)
+    def __init__(self, hf_config, *args, **kwargs):
+        _expose_rope_theta(hf_config)
+        text_config = getattr(hf_config, "text_config", None)
+        if text_config is not None:
+            _expose_rope_theta(text_config)
+        original(self, hf_config, *args, **kwargs)
+
+    return [AttrPatch(Bridge, "__init__", __init__, "transformers>=5 moved rope_theta into rope_parameters")]
+
+
+def local_layer_spec() -> list[AttrPatch]:
+    """Build megatron-core's local (non-TE) GPT layer spec when Transformer Engine is unavailable.
+
+    Needed by mbridge 0.15.1 (all megatron-core versions) without Transformer Engine:
+    ``LLMBridge._get_transformer_layer_spec`` always calls
+    ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``, which fails
+    without TE. The replacement forces ``use_transformer_engine=False`` and passes the
+    config's ``normalization`` (so RMSNorm uses torch's RMSNorm even when Apex is
+    installed). No-op when megatron-core imported TE.
+    """
+    from mbridge.core import llm_bridge
+
+    if have_transformer_engine():
+        return []
+    original = llm_bridge.get_gpt_decoder_block_spec
+
+    @functools.wraps(original)
+    def get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=None, *args, **kwargs):
+        return original(config, False, normalization or config.normalization, *args, **kwargs)
+
+    return [
+        AttrPatch(
+            llm_bridge, "get_gpt_decoder_block_spec", get_gpt_decoder_block_spec, "no Transformer Engine: local spec"
+        )
+    ]
+
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def _local_name_to_te_name(bridge: Any, name: str, consider_ep: bool) -> str:
+    """The TE-spec name mbridge's tables know for local-spec parameter ``name`` (unchanged if none).
+
+    ``…input_layernorm.weight`` -> ``…self_attention.linear_qkv.layer_norm_weight``;
+    ``…pre_mlp_layernorm.weight`` -> ``…mlp.linear_fc1.layer_norm_weight`` unless the bridge
+    maps ``pre_mlp_layernorm`` itself (MoE bridges); ``…mlp.experts.local_experts.I.linear_fcK.weight``
+    -> ``…mlp.experts.linear_fcK.weight{G}`` with the global expert id
+    ``G = I + num_experts / ep_size * ep_rank`` when ``consider_ep`` (else ``G = I``, as
+    mbridge's export expects before it gathers over expert parallel).
+    """
+    if name.endswith(".input_layernorm.weight"):
+        return name[: -len("input_layernorm.weight")] + "self_attention.linear_qkv.layer_norm_weight"
+    if name.endswith(".pre_mlp_layernorm.weight"):
+        if any("pre_mlp_layernorm" in key for key in bridge._MLP_MAPPING):
+            return name
+        return name[: -len("pre_mlp_layernorm.weight")] + "mlp.linear_fc1.layer_norm_weight"
+    match = _LOCAL_EXPERT.search(name)
+    if match is None:
+        return name
+    expert = int(match.group(1))
+    if consider_ep and bridge.mpu.ep_size > 1:
+        expert += bridge.config.num_moe_experts // bridge.mpu.ep_size * bridge.mpu.ep_rank
+    return f"{name[: match.start()]}.mlp.experts.{match.group(2)}.weight{expert}"
+
+
+def _bind_local_spec_weight_names(bridge: Any) -> None:
+    """Give ``bridge`` (the instance, for its whole life) a ``_weight_name_mapping_mcore_local_to_global``
+    whose "global" names are TE-spec names (:func:`_local_name_to_te_name`); no-op if it has one."""
+    if "_weight_name_mapping_mcore_local_to_global" in vars(bridge):
+        return
+    original = type(bridge)._weight_name_mapping_mcore_local_to_global
+
+    @functools.wraps(original)
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep=True):
+        mapping = original(self, model, consider_ep=consider_ep)
+        return {local: _local_name_to_te_name(self, name, consider_ep) for local, name in mapping.items()}
+
+    bridge._weight_name_mapping_mcore_local_to_global = types.MethodType(
+        _weight_name_mapping_mcore_local_to_global, bridge
+    )
+
+
+def local_spec_weight_names() -> list[AttrPatch]:
+    """Map local-spec parameter names onto the names mbridge's weight tables know, for the bridge's whole life.
+
+    Needed by mbridge 0.15.1 whenever the local (non-TE) spec is used (see
+    :func:`local_layer_spec`): its tables only know TE-spec names, so
+    ``bridge.load_weights`` / ``export_weights`` / ``save_weights`` raise ``NotImplementedError`` on
+    ``input_layernorm``, ``pre_mlp_layernorm`` (dense models) and
+    ``mlp.experts.local_experts.I.linear_fc{1,2}`` (MoE ``SequentialMLP``). Wraps
+    ``Bridge.get_model`` inside the block: a bridge that builds a model there gets, on the
+    instance and never reverted, a ``_weight_name_mapping_mcore_local_to_global`` whose
+    "global" names are TE-spec names (:func:`_local_name_to_te_name`), so its weights load,
+    export and save at any time after the block. Expert ids become global under expert
+    parallel, as mbridge does for TE's grouped experts. Local experts are loaded through
+    the tensor-parallel path (fine at expert-tensor-parallel size = TP size, the megatron
+    default). The ``Bridge`` class is left as it was. No-op when megatron-core imported TE.
+    """
+    from mbridge.core.bridge import Bridge
+
+    if have_transformer_engine():
+        return []
+    original = Bridge.get_model
+
+    @functools.wraps(original)
+    def get_model(self, *args, **kwargs):
+        _bind_local_spec_weight_names(self)
+        return original(self, *args, **kwargs)
+
+    return [AttrPatch(Bridge, "get_model", get_model, "no Transformer Engine: local-spec weight names")]
+
+
+def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
+    """Make the Qwen2-MoE / Qwen3-MoE router normalise the top-k probabilities iff ``hf_config.norm_topk_prob``.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``Qwen3MoEBridge``
+    hard-codes ``moe_router_pre_softmax=False`` (softmax over the top-k logits = normalised
+    top-k probabilities) and ``Qwen2MoEBridge`` hard-codes ``True`` (softmax over all
+    experts, top-k taken unnormalised), ignoring the checkpoint's ``norm_topk_prob``; a
+    Qwen3-MoE checkpoint with ``norm_topk_prob=False`` then gives logits off by ~0.3 on a
+    tiny model. Wraps both bridges' ``_build_config`` to set
+    ``moe_router_pre_softmax = not norm_topk_prob`` unless the caller set it through
+    ``bridge.set_extra_args``. A bridge built inside the block keeps the wrapped
+    ``_build_config`` on the instance, so a later ``set_extra_args`` keeps the fix.
+    """
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
+    from mbridge.models.qwen3moe import Qwen3MoEBridge
+
+    def wrap(original):
+        @functools.wraps(original)
+        def _build_config(self):
+            if "_build_config" not in vars(self):
+                self._build_config = types.MethodType(_build_config, self)
+            config = original(self)
+            pre_softmax = not getattr(self.hf_config, "norm_topk_prob", not config.moe_router_pre_softmax)
+            if "moe_router_pre_softmax" in self.extra_args or config.moe_router_pre_softmax == pre_softmax:
+                return config
+            return dataclasses.replace(config, moe_router_pre_softmax=pre_softmax)
+
+        return _build_config
+
+    why = "mbridge ignores norm_topk_prob"
+    return [
+        AttrPatch(cls, "_build_config", wrap(vars(cls)["_build_config"]), why) for cls in (Qwen2MoEBridge, Qwen3MoEBridge)
+    ]
+
+
+def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
+    """Keep a tied-embedding checkpoint's ``output_layer.weight -> model.embed_tokens.weight`` on its own bridge.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``_adjust_mapping_for_shared_weights``
+    (Qwen2 and its subclasses Qwen3 / Qwen2.5-VL, Gemma3, InternVL3) writes into the *class*
+    ``_DIRECT_MAPPING`` dict when ``tie_word_embeddings`` is set, so after one tied bridge every later
+    bridge of that family, tied or not, maps ``output_layer.weight`` onto the embedding: an untied
+    model then loads its embedding as ``lm_head`` or fails (``Weights set() not found``), e.g. a
+    critic or reward model (untied, value head) built in the process of a tied actor. Wraps each
+    override to give the bridge its own copy of ``_DIRECT_MAPPING`` first; the class dict is never
+    written. Bridges built inside the block keep their copy for their whole life.
+    """
+    from mbridge.core.bridge import Bridge
+
+    def all_subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from all_subclasses(sub)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def _adjust_mapping_for_shared_weights(self):
+            self._DIRECT_MAPPING = dict(self._DIRECT_MAPPING)
+            original(self)
+
+        return _adjust_mapping_for_shared_weights
+
+    why = "mbridge writes the tied-embedding mapping into the class dict"
+    return [
+        AttrPatch(cls, "_adjust_mapping_for_shared_weights", wrap(vars(cls)["_adjust_mapping_for_shared_weights"]), why)
+        for cls in all_subclasses(Bridge)
+        if "_adjust_mapping_for_shared_weights" in vars(cls)
+    ]
+
+
+def compat_patches() -> list[AttrPatch]:
+    """The mbridge compatibility patches this process needs (see each function)."""
+    return (
+        model_type_encoder_and_decoder()
+        + hf_rope_theta()
+        + local_layer_spec()
+        + local_spec_weight_names()
+        + qwen_moe_norm_topk_prob()
+        + tied_embedding_mapping_per_bridge()
+    )

@@ -1,0 +1,189 @@
+"""Megatron's ``core_attention`` over a tree micro-batch: :class:`TreeCoreAttention` (and its TE-spec twin).
+
+Shape legend: s = slots, b = batch (1 for a tree micro-batch), np / ng = query / key-value heads per TP
+rank, hn = head dim. The module calls :func:`megatron_tree.attention.tree_attention` with the
+backend named in its layer spec (``"auto"`` by default).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tree.attention import fa4 as fa4_attention
+from megatron_tree.attention import get_tree_attention_backend, tree_attention
+from megatron_tree.attention.shapes import AttentionShape, device_generation
+
+__all__ = ["TreeCoreAttention", "TreeCoreAttentionTE", "check_tree_attention_config"]
+
+
+def check_tree_attention_config(config: TransformerConfig) -> None:
+    """Raise if ``config`` asks for an attention feature tree attention does not implement."""
+    problems = []
+    if config.window_size is not None:
+        problems.append(f"window_size={config.window_size} (sliding-window attention)")
+    if config.multi_latent_attention:
+        problems.append("multi_latent_attention=True (MLA)")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+        problems.append("qk_clip / log_max_attention_logit (max attention logits are not tracked)")
+    if problems:
+        raise ValueError("tree attention does not support: " + "; ".join(problems))
+
+
+def _model_attention_shape(config: TransformerConfig) -> AttentionShape:
+    """The :class:`AttentionShape` of a model's attention calls (per TP rank the GQA ratio is the same)."""
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+    device = device_generation(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    ratio = config.num_attention_heads // (config.num_query_groups or config.num_attention_heads)
+    return AttentionShape(config.kv_channels, config.kv_channels, ratio, dtype, device)
+
+
+class TreeCoreAttention(MegatronModule):
+    """Megatron ``core_attention`` module for tree micro-batches.
+
+    Built by ``SelfAttention`` through the layer spec (see :func:`megatron_tree.tree_layer_spec`)
+    with the standard keywords; ``backend`` (a registered name, default ``"auto"``) comes from
+    the spec's params. Called as ``(query [s, b, np, hn], key [s, b, ng, hn], value, attention_mask
+    int [b, s], *, attn_mask_type, attention_bias=None, packed_seq_params=None)``, returns
+    ``[s, b, np * hn]``. Scale: ``softmax_scale`` or ``1 / sqrt(kv_channels)``. Attention dropout
+    (``attention_dropout`` or ``config.attention_dropout``) applies in training mode only.
+
+    ``positions_from_ids`` starts False and the forward refuses to run until it is True:
+    upstream RoPE rotates slot i as position i, which is wrong for every branch laid out after a
+    sibling. :func:`megatron_tree.convert_to_tree_model` sets it once the model's RoPE reads
+    ``position_ids``; set it yourself only when queries and keys already carry tree positions.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        backend: str = "auto",
+        **kwargs: Any,
+    ):
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(
+                f"TreeCoreAttention supports self-attention only, got attention_type="
+                f"{attention_type!r}; keep the upstream core attention for cross-attention"
+            )
+        if attn_mask_type != AttnMaskType.arbitrary:
+            raise ValueError(
+                f"TreeCoreAttention must be built with attn_mask_type=AttnMaskType.arbitrary, got "
+                f"{attn_mask_type}; build the layer spec with megatron_tree.tree_layer_spec"
+            )
+        check_tree_attention_config(config)
+        self.backend = get_tree_attention_backend(backend).name
+        self.layer_number = layer_number
+        self.softmax_scale = (
+            1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        )
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if self.backend == "fa4":
+            fa4_attention.check_model(_model_attention_shape(config), self.dropout_p)
+        self.positions_from_ids = False
+        # Context parallel: megatron-core hands its groups in pg_collection (else the global state).
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is None and config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+            if cp_group is None:
+                raise ValueError(
+                    f"context_parallel_size={config.context_parallel_size} but there is no context-parallel group: "
+                    f"initialise megatron's parallel state with context_parallel_size={config.context_parallel_size} "
+                    f"before building the model (or pass pg_collection)"
+                )
+        multi = cp_group is not None and torch.distributed.get_world_size(cp_group) > 1
+        self.cp_group = cp_group if multi else None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        """query [s, b, np, hn], key/value [s, b, ng, hn], attention_mask int [b, s] -> [s, b, np*hn]."""
+        if packed_seq_params is not None:
+            raise ValueError(
+                "TreeCoreAttention got packed_seq_params: tree micro-batches are one packed row "
+                "described by attention_mask; call the model with packed_seq_params=None"
+            )
+        if attention_bias is not None:
+            raise ValueError("TreeCoreAttention does not support attention_bias; pass None")
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.arbitrary:
+            raise ValueError(
+                f"TreeCoreAttention got attn_mask_type={attn_mask_type}; the tree mask is "
+                f"arbitrary (build the layer spec with megatron_tree.tree_layer_spec)"
+            )
+        if not self.positions_from_ids:
+            raise RuntimeError(
+                "TreeCoreAttention runs only in a model whose RoPE rotates by position_ids: call "
+                "megatron_tree.convert_to_tree_model(model) after building it (building under "
+                "patch_bridge_for_tree_training does this)"
+            )
+        if attention_mask is None:
+            raise ValueError(
+                "TreeCoreAttention got attention_mask=None but needs attention_mask = the micro-batch's "
+                "interval vector (TreeMicroBatch.attention_mask, int32 [1, s]), without which the tree's "
+                "branches would see each other; call model(mb.input_ids, mb.position_ids, mb.attention_mask)"
+            )
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # Like DotProductAttention: TP ranks hold different heads, so use the TP-rank RNG.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self._attend(query, key, value, attention_mask, dropout_p)
+        return self._attend(query, key, value, attention_mask, dropout_p)
+
+    def _attend(self, query, key, value, attention_mask, dropout_p):
+        return tree_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            backend=self.backend,
+            cp_group=self.cp_group,
+        )
+
+
+class TreeCoreAttentionTE(TreeCoreAttention):
+    """:class:`TreeCoreAttention` in place of Transformer Engine's ``TEDotProductAttention``.
+
+    TE modules keep FP8 scaling state as ``_extra_state``, so TE-spec torch state dicts hold
+    ``...core_attention._extra_state``. This module keeps that entry, empty (what TE writes
+    without FP8), and like megatron-core's ``TEDotProductAttention`` puts nothing into distributed
+    checkpoints: checkpoints move both ways between a tree model and the upstream TE model with
+    strict loading. Loaded FP8 attention state is dropped: tree
+    attention runs no FP8 kernel.
+    """
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Empty, as megatron-core's ``TEDotProductAttention`` with vanilla softmax writes nothing to
+        distributed checkpoints (its ``_extra_state`` goes only into torch state dicts)."""
+        return {}
+
+    def set_extra_state(self, state: Any) -> None:
+        return None

@@ -1,0 +1,43 @@
+"""Flat micro-batches as Megatron's packed sequences (THD): the flat baseline users run.
+
+Megatron's sequence packing feeds ``GPTModel`` one row of concatenated sequences together with
+``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv, max_seqlen_q/kv)``: Transformer Engine's
+``TEDotProductAttention`` runs cuDNN fused attention causally within each segment, and RoPE
+restarts at every segment. A flat :class:`~megatron_tree.core.microbatch.TreeMicroBatch`
+(``pack_trees(..., share_prefixes=False)``: every sequence its own chain) has exactly that
+layout: :func:`thd_packed_seq_params` describes it.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_tree.core.microbatch import TreeMicroBatch
+
+__all__ = ["thd_packed_seq_params"]
+
+
+def thd_packed_seq_params(mb: TreeMicroBatch) -> PackedSeqParams:
+    """THD ``PackedSeqParams`` of the flat micro-batch ``mb`` (on ``mb``'s device; reads its
+    ``position_ids`` on the host, so call it before moving ``mb`` to the GPU).
+
+    Segments in slot order: each sequence (its slots start at depth 0), then the padding slots
+    ``[num_tokens, T)`` as one more segment (they attend only among themselves and feed no
+    target). ``cu_seqlens_q == cu_seqlens_kv`` int32 ``[segments + 1]``, ``max_seqlen`` = the
+    longest segment. Raises ``ValueError`` for a micro-batch with shared prefixes.
+    """
+    if mb.num_tokens != mb.num_original_tokens:
+        raise ValueError(
+            f"THD packing needs a flat micro-batch (every sequence its own segment), but this one "
+            f"shares prefixes: {mb.num_tokens} unique tokens for {mb.num_original_tokens} original; "
+            f"pack with pack_trees(..., share_prefixes=False)"
+        )
+    depth = mb.position_ids[0, : mb.num_tokens]
+    starts = torch.nonzero(depth == 0).flatten().to(torch.int32)
+    ends = [mb.num_tokens] if mb.num_slots == mb.num_tokens else [mb.num_tokens, mb.num_slots]
+    cu = torch.cat([starts, torch.tensor(ends, dtype=torch.int32, device=starts.device)])
+    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen
+    )

@@ -1,0 +1,569 @@
+"""Tree micro-batches through megatron-core's pipeline schedules.
+
+``get_forward_backward_func()`` pulls one item per micro-batch from a data iterator on
+every pipeline stage (one iterator per model chunk under interleaved PP) and calls
+``forward_step_func(data_iterator, model)``, which returns ``(output, loss_func)``; the
+last stage calls ``loss_func(output)``. Here:
+
+* :func:`tree_data_iterators` gives each model chunk its own iterator over the same
+  micro-batches (moved to the device, padded to one length when the schedule needs it);
+* :func:`tree_forward_step` runs the model with the tree mask and depths as positions,
+  and its loss function gathers per-sequence log-probs (vocab-parallel; or, with ``head=``,
+  a critic's per-token values or a reward model's scores) and applies the user's loss;
+* :func:`tree_forward_backward` does both and calls the schedule.
+
+Loss normalisation. The user's ``loss_fn(logprobs, mb)`` (or values, scores) returns ``(loss_sum, count)``:
+a SUM over what it normalises by, and how many of those there are (tokens for a per-token
+mean, sequences for a per-sequence mean). Megatron then divides the summed loss by the
+count summed over all micro-batches (and, with its DDP, over data-parallel ranks) —
+``config.calculate_per_token_loss=True``. The result is the same whatever the
+micro-batching, so a tree step equals the flat step on the same sequences exactly;
+without that flag Megatron averages per-micro-batch means, which depends on how
+sequences fall into micro-batches, and :func:`tree_forward_backward` refuses it.
+
+Context parallel (CP > 1): every CP rank holds the same micro-batches; each is padded to a
+multiple of ``cp * CP_CHUNKS`` slots and split by :func:`~megatron_tree.core.context_parallel.shard_micro_batch`
+(the model sees the rank's shard, ``loss_fn`` the whole micro-batch). The head's outputs are
+gathered into the whole ``[N]`` layout on every CP rank, every CP rank computes the same loss,
+and its count is counted once (on CP rank 0), so the division by the global count stays exact.
+
+Megatron divides the gradients by that count, and reduces them over data-parallel ranks,
+only in ``config.finalize_model_grads_func`` (megatron-core's ``finalize_model_grads``,
+which Megatron's training loop sets), on a model wrapped in its ``DistributedDataParallel``.
+:func:`tree_forward_backward` sets it when it is unset and the model is so wrapped (it never
+replaces a function the user set), and refuses to train an unwrapped model without one:
+the gradients would be sums, never divided.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Callable, Iterator, Sequence
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from megatron_tree.core.context_parallel import (
+    ContextParallelShard,
+    gather_targets,
+    padded_slots,
+    shard_micro_batch,
+    slot_multiple,
+)
+from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
+from megatron_tree.core.microbatch import TreeMicroBatch
+from megatron_tree.mcore.packed_seq import thd_packed_seq_params
+from megatron_tree.mcore.model_check import check_tree_model
+from megatron_tree.mcore.router_stats import tree_padding_mask
+from megatron_tree.ops.values import gather_tree_scores, gather_tree_values
+
+LossFn = Callable[[torch.Tensor, TreeMicroBatch], tuple[torch.Tensor, torch.Tensor | int]]
+"""``loss_fn(outputs, mb) -> (loss_sum scalar, count)``; ``outputs`` is what the head gives
+(:data:`HEADS`), see the module docstring."""
+
+HEADS = ("logprobs", "values", "scores")
+"""What the model's output becomes before ``loss_fn`` sees it, per micro-batch (``head=``):
+
+- ``"logprobs"`` (language-model head, default): ``logprobs [N]`` fp32 in the varlen layout of
+  :func:`~megatron_tree.ops.logprobs.gather_tree_logprobs`; ``(logprobs [N], entropy [N])`` with
+  ``with_entropy=True``.
+- ``"values"`` (value head ``[1, T, 1]``, a critic): ``values [N]`` in the same layout
+  (:func:`~megatron_tree.ops.values.gather_tree_values`).
+- ``"scores"`` (value head, a reward model): ``scores [n]``, the value at each sequence's last
+  token (:func:`~megatron_tree.ops.values.gather_tree_scores`).
+"""
+
+_log = logging.getLogger(__name__)
+_ANNOUNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def tree_data_iterators(
+    mbs: Sequence[TreeMicroBatch],
+    num_model_chunks: int = 1,
+    *,
+    device: torch.device | str,
+    pad_to: int | None = None,
+    pad_multiple: int = 1,
+    cp: tuple[int, int] | None = None,
+) -> Iterator | list[Iterator]:
+    """Data iterator(s) for ``forward_backward_func``: one over ``mbs`` per model chunk
+    (a plain iterator when there is one chunk). ``pad_to`` pads every micro-batch to that
+    many slots (fixed-length schedules); otherwise each is padded to a multiple of
+    ``pad_multiple`` slots (sequence parallel splits the slots over TP ranks; context parallel
+    needs a multiple of ``cp * CP_CHUNKS``). Items are the micro-batches, or with ``cp = (rank,
+    size)`` pairs ``(micro-batch, its ContextParallelShard for this rank)``."""
+    moved = []
+    for mb in mbs:
+        mb = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
+        moved.append(mb.to(device) if cp is None else (mb.to(device), shard_micro_batch(mb, cp[1], cp[0]).to(device)))
+    its = [iter(moved) for _ in range(num_model_chunks)]
+    return its[0] if num_model_chunks == 1 else its
+
+
+def tree_forward_step(
+    loss_fn: LossFn,
+    *,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    head: str = "logprobs",
+    with_entropy: bool = False,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> Callable:
+    """A ``forward_step_func`` for megatron-core schedules over :class:`TreeMicroBatch` items
+    (under context parallel, ``(micro-batch, ContextParallelShard)`` items and the ``cp_group``).
+
+    The model must be built with tree attention and per-token RoPE (see
+    ``patch_bridge_for_tree_training`` / ``tree_layer_spec`` + ``convert_to_tree_model``);
+    :func:`~megatron_tree.mcore.model_check.check_tree_model` refuses any other.
+    Its loss function returns Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``
+    from ``loss_fn(head outputs, mb)`` (``head``, ``with_entropy``: :data:`HEADS`).
+    """
+
+    def forward_step(data_iterator, model):
+        item = next(data_iterator)
+        check_tree_model(model)  # walks each chunk once
+        mb, shard = item if isinstance(item, tuple) else (item, None)
+        moe = bool(get_model_config(model).num_moe_experts)
+        # Logits stay in the model's precision (bf16): the log-prob kernel reads them in fp32 math, and
+        # Megatron's fp32 copy of [T, V] would only cost memory (the values are the same bf16 numbers).
+        kwargs = {"fp32_output": False} if head == "logprobs" and _half_precision(model) else {}
+        if shard is None:
+            # MoE routers weigh each slot by the sequences through it (megatron_tree.mcore.router_stats).
+            padding_mask = tree_padding_mask(mb) if moe else None
+            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask, **kwargs)
+        else:  # router statistics are refused under CP: the mask only marks padding
+            padding_mask = shard.multiplicity == 0 if moe else None
+            output = model(shard.input_ids, shard.position_ids, shard.attention_mask, padding_mask=padding_mask,
+                           **kwargs)  # fmt: skip
+        return output, tree_loss_func(
+            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
+            shard=shard, cp_group=cp_group,
+        )  # fmt: skip
+
+    return forward_step
+
+
+def _half_precision(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a wrapper inside it, e.g. under DDP) is megatron-core's ``Float16Module``,
+    whose ``forward`` takes ``fp32_output``."""
+    from megatron.core.transformer.module import Float16Module
+
+    while not isinstance(model, Float16Module):
+        if not isinstance(getattr(model, "module", None), torch.nn.Module):
+            return False
+        model = model.module
+    return True
+
+
+def thd_schedule_inputs(
+    mbs: Sequence[TreeMicroBatch],
+    num_model_chunks: int,
+    loss_fn: LossFn,
+    *,
+    device: torch.device | str,
+    pad_to: int | None,
+    pad_multiple: int,
+    tp_group: torch.distributed.ProcessGroup | None,
+    temperature: float,
+    head: str = "logprobs",
+    with_entropy: bool = False,
+) -> tuple[Callable, Iterator | list[Iterator]]:
+    """``(forward_step_func, data_iterator)`` of flat micro-batches run as packed THD sequences
+    (:func:`~megatron_tree.mcore.packed_seq.thd_packed_seq_params`): padded as :func:`tree_data_iterators`
+    pads, the model called with ``packed_seq_params`` and no mask or positions."""
+    items = []
+    for mb in mbs:
+        mb = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
+        params = thd_packed_seq_params(mb)
+        params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device)  # one tensor, both roles
+        items.append((mb.to(device), params))
+
+    def forward_step(data_iterator, model):
+        mb, params = next(data_iterator)
+        output = model(mb.input_ids, None, None, packed_seq_params=params)
+        return output, tree_loss_func(
+            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy
+        )
+
+    its = [iter(items) for _ in range(num_model_chunks)]
+    return forward_step, its[0] if num_model_chunks == 1 else its
+
+
+def _head_outputs(
+    output: torch.Tensor,
+    mb: TreeMicroBatch,
+    head: str,
+    *,
+    tp_group: torch.distributed.ProcessGroup | None,
+    temperature: float,
+    with_entropy: bool,
+    inplace_backward: bool,
+    shard: ContextParallelShard | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+):
+    """The model's ``output`` for ``mb`` through ``head`` (:data:`HEADS`); under context parallel
+    ``output`` covers ``shard``'s slots and the result is gathered over ``cp_group``."""
+    if shard is not None:
+        return _shard_head_outputs(
+            output, shard, head, cp_group, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
+            inplace_backward=inplace_backward,
+        )  # fmt: skip
+    if head == "logprobs":
+        return gather_tree_logprobs(
+            output, mb, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
+            inplace_backward=inplace_backward,
+        )  # fmt: skip
+    return (gather_tree_values if head == "values" else gather_tree_scores)(output, mb)
+
+
+def _shard_head_outputs(output, shard, head, cp_group, *, tp_group, temperature, with_entropy, inplace_backward):
+    """:func:`_head_outputs` of one CP rank's shard: its own targets (sequences, for scores), then the
+    whole micro-batch's layout on every CP rank (:func:`~megatron_tree.core.context_parallel.gather_targets`)."""
+    s = shard.num_slots
+    if not isinstance(output, torch.Tensor) or output.ndim != 3 or output.shape[:2] != (1, s):
+        raise ValueError(
+            f"under context parallel the model output must be [1, s={s}, ...] for this rank's shard; got shape "
+            f"{tuple(getattr(output, 'shape', ()))}"
+        )
+    if head == "logprobs":
+        outs = vocab_parallel_logprobs(
+            output.squeeze(0), shard.target_slots, shard.target_labels, tp_group=tp_group, temperature=temperature,
+            with_entropy=with_entropy, rows=s, inplace_backward=inplace_backward,
+        )  # fmt: skip
+        outs = outs if with_entropy else (outs,)
+        full = tuple(gather_targets(o, shard.target_index, shard.num_targets, cp_group) for o in outs)
+        return full if with_entropy else full[0]
+    if output.shape[2] != 1:
+        raise ValueError(
+            f"head={head!r} needs a value head's output [1, s, 1]; got shape {tuple(output.shape)}. A [1, s, V] "
+            f"output is a language-model head: build the model with a value head (mbridge's make_value_model callback)."
+        )
+    values = output.reshape(s)
+    if head == "values":
+        return gather_targets(values[shard.target_slots], shard.target_index, shard.num_targets, cp_group)
+    return gather_targets(values[shard.last_slots], shard.last_index, shard.num_sequences, cp_group)
+
+
+def tree_loss_func(
+    loss_fn: LossFn | None,
+    mb: TreeMicroBatch,
+    *,
+    tp_group: torch.distributed.ProcessGroup | None,
+    temperature: float,
+    head: str = "logprobs",
+    with_entropy: bool = False,
+    shard: ContextParallelShard | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]:
+    """The ``loss_func`` a forward step returns for ``mb``: the model's output (logits ``[b, T, V/tp]``,
+    or a value head's ``[b, T, 1]``) -> Megatron's triple ``(loss_sum, count, {"loss": [loss_sum, count]})``
+    from ``loss_fn(outputs, mb)``, ``outputs`` as ``head`` and ``with_entropy`` make them (:data:`HEADS`).
+    Called with ``non_loss_data=True`` (the schedule's ``collect_non_loss_data``) it returns the
+    detached outputs instead, and ``loss_fn`` may be None. Under context parallel ``output`` covers
+    ``shard`` (this rank's part of ``mb``), ``loss_fn`` still sees the whole micro-batch's outputs,
+    and the count goes to the schedule on CP rank 0 only (each CP rank backpropagates the same loss
+    through its own slots; the loss dict reports the full count everywhere)."""
+
+    def loss_func(output: torch.Tensor, non_loss_data: bool = False):
+        # The logits feed nothing else: their memory takes their gradient in the backward.
+        outputs = _head_outputs(
+            output, mb, head, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
+            inplace_backward=not non_loss_data, shard=shard, cp_group=cp_group,
+        )  # fmt: skip
+        if non_loss_data:
+            return tuple(o.detach() for o in outputs) if isinstance(outputs, tuple) else outputs.detach()
+        result = loss_fn(outputs, mb)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ValueError(
+                f"loss_fn must return (loss_sum, count), got {type(result).__name__}"
+                f"{'' if not isinstance(result, tuple) else f' of length {len(result)}'}"
+            )
+        loss, count = result
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"loss_fn's loss_sum must be a scalar tensor (a sum over the batch's tokens or "
+                f"sequences), got shape {tuple(getattr(loss, 'shape', ()))}"
+            )
+        count = torch.as_tensor(count, dtype=torch.int, device=loss.device).reshape(())
+        loss = loss.reshape(())
+        report = torch.stack([loss.detach().float(), count.float()])
+        if shard is not None and shard.rank:
+            count = torch.zeros_like(count)
+        return loss, count, {"loss": report}
+
+    return loss_func
+
+
+def _all_reduce_max(values: list[int], device: torch.device) -> list[int]:
+    """Element-wise MAX of ``values`` over all ranks (one all-reduce, one host sync)."""
+    t = torch.tensor(values, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _check_same_across_context_parallel(mbs: Sequence[TreeMicroBatch], device: torch.device) -> None:
+    """Raise unless every context-parallel rank holds the same micro-batches: their count, slots and
+    sequences, and a fingerprint of their token ids and trees (position-weighted sums); one MAX
+    all-reduce over the CP group."""
+    mine = [len(mbs), sum(mb.num_slots for mb in mbs), sum(len(mb.sequence_ids) for mb in mbs), 0, 0]
+    for k, mb in enumerate(mbs):
+        weights = (torch.arange(mb.num_slots, dtype=torch.int64) * 40503 + 7919 * (k + 1)) % 65521
+        mine[3] += int((mb.input_ids[0].to("cpu", torch.int64) * weights).sum())
+        mine[4] += int((mb.attention_mask[0].to("cpu", torch.int64) * weights).sum())
+    t = torch.tensor(mine + [-v for v in mine], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
+    most, least = t[: len(mine)].tolist(), [-v for v in t[len(mine) :].tolist()]
+    if most != least:
+        raise ValueError(
+            f"context-parallel ranks hold different micro-batches (micro-batches, slots, sequences, token and tree "
+            f"fingerprints: this rank {mine}, smallest in the group {least}, largest {most}): every rank of a "
+            f"context-parallel group must pass the same micro-batches (the same data as its data-parallel rank; "
+            f"pack with dp_group=parallel_state.get_data_parallel_group())"
+        )
+
+
+def schedule_slot_multiple(chunk: torch.nn.Module) -> int:
+    """The slot multiple the schedule pads ``chunk``'s micro-batches to in the current parallel state
+    (:func:`~megatron_tree.core.context_parallel.slot_multiple`: sequence parallel, context parallel)."""
+    config = get_model_config(chunk)
+    tp = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    return slot_multiple(cp=parallel_state.get_context_parallel_world_size(), sequence_parallel=tp)
+
+
+def _padded_length(mb: TreeMicroBatch, pad_to: int | None, pad_multiple: int) -> int:
+    """Slots ``mb`` is padded to: ``pad_to`` (fixed-length schedules), else its own length rounded
+    up to a multiple of ``pad_multiple`` (sequence parallel splits the slots over TP ranks)."""
+    return pad_to or padded_slots(mb.num_slots, pad_multiple)
+
+
+def _check_token_ids(chunk: torch.nn.Module, mbs: Sequence[TreeMicroBatch]) -> None:
+    """Raise unless every token id is below the model's vocabulary (the embedding would index out of
+    range: an IndexError on CPU, a device-side assert on GPUs)."""
+    module = chunk
+    while hasattr(module, "module"):  # DDP, Float16Module
+        module = module.module
+    vocab = getattr(module, "vocab_size", None)
+    if vocab is None:
+        return
+    tops = [int(mb.input_ids.max()) for mb in mbs]
+    top = max(tops)
+    if top >= vocab:
+        bad = tops.index(top)
+        raise ValueError(
+            f"micro-batch {bad} holds token id {top}, but the model's vocabulary has {vocab} tokens (ids 0..{vocab - 1}); "
+            f"tokenize with the model's own tokenizer"
+        )
+
+
+def _finalize_grads_for_training(chunks: list[torch.nn.Module], config) -> None:
+    """Make ``config.finalize_model_grads_func`` divide the gradients by the global count and
+    reduce them over data-parallel ranks.
+
+    A function already set is kept (the user's own, or megatron-core's). Unset on chunks wrapped
+    in Megatron's DDP (or anything with its ``finish_grad_sync`` / ``scale_gradients``): set to
+    megatron-core's ``finalize_model_grads``, as Megatron's training loop does, and logged (INFO).
+    Unset on other chunks: ``ValueError``, since the schedule would leave the gradients as
+    undivided sums.
+    """
+    # Megatron DDP's gradient buffers (lists; a plain module's `buffers` is nn.Module's method).
+    ddp_buffers = [
+        buffer
+        for chunk in chunks
+        for name in ("buffers", "expert_parallel_buffers")
+        if isinstance(getattr(chunk, name, None), list)
+        for buffer in getattr(chunk, name)
+    ]
+    scales = sorted({float(buffer.gradient_scaling_factor) for buffer in ddp_buffers})
+    if any(scale != 1.0 for scale in scales):
+        raise ValueError(
+            f"the model's DDP gradient buffers scale gradients by {scales} before reducing them: it was wrapped "
+            f"in Megatron's DistributedDataParallel before calculate_per_token_loss=True was set (or with "
+            f"average_in_collective=True), so gradients would also be divided by the data-parallel size. Set "
+            f"calculate_per_token_loss=True before wrapping (bridge.set_extra_args(calculate_per_token_loss=True) "
+            f"before bridge.get_model(wrap_with_ddp=True); build_tree_model does) and average_in_collective=False"
+        )
+    if config.finalize_model_grads_func is not None:
+        return
+    wrapped = [hasattr(c, "finish_grad_sync") and hasattr(c, "scale_gradients") for c in chunks]
+    unwrapped = [type(c).__name__ for c, ok in zip(chunks, wrapped) if not ok]
+    if unwrapped:
+        raise ValueError(
+            f"cannot train: config.finalize_model_grads_func is unset and the model ({', '.join(unwrapped)}) is not "
+            f"wrapped in Megatron's DistributedDataParallel, so the gradients would be sums over the batch, never "
+            f"divided by the global count nor reduced over data-parallel ranks. Wrap it "
+            f"(bridge.get_model(wrap_with_ddp=True) or build_tree_model(..., wrap_with_ddp=True); "
+            f"tree_forward_backward then sets megatron.core.distributed.finalize_model_grads), or set "
+            f"config.finalize_model_grads_func to your own fn(model_chunks, num_tokens, pg_collection=None, "
+            f"force_all_reduce=False) that does both; forward_only=True needs neither"
+        )
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    _log.info(
+        "config.finalize_model_grads_func was unset: set to megatron.core.distributed.finalize_model_grads, as "
+        "Megatron's training loop does (gradients divided by the global count and reduced over data-parallel ranks)"
+    )
+
+
+def tree_forward_backward(
+    model: torch.nn.Module | list[torch.nn.Module],
+    mbs: Sequence[TreeMicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+    temperature: float = 1.0,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    head: str = "logprobs",
+    with_entropy: bool = False,
+) -> list[dict]:
+    """Run one step of ``mbs`` through ``get_forward_backward_func()``; returns Megatron's
+    per-micro-batch loss dicts (on the last pipeline stage; empty elsewhere).
+
+    ``loss_fn(outputs, mb)`` gets what ``head`` makes of the model's output (:data:`HEADS`):
+    log-probs (default; with ``with_entropy``, ``(logprobs, entropy)``), a critic's per-token
+    ``values`` or a reward model's per-sequence ``scores``; the normalisation is the same
+    ``(sum, count)`` for all (module docstring). For log-probs etc. without a loss, use
+    :func:`~megatron_tree.mcore.forward_only.tree_forward_only`.
+
+    Validates what the schedule needs: a tree model (tree attention and per-token RoPE in
+    every chunk, :func:`~megatron_tree.mcore.model_check.check_tree_model`),
+    ``calculate_per_token_loss``, a micro-batch count that interleaved PP accepts, the same
+    micro-batches on every context-parallel rank (module docstring). To train (``forward_only=False``) it needs ``config.finalize_model_grads_func``:
+    set to megatron-core's ``finalize_model_grads`` when unset on a model wrapped in Megatron's
+    DDP (logged, INFO, logger ``megatron_tree.mcore.schedule``), else ``ValueError`` (see the module
+    docstring). The first call for a model logs its parameters' dtype (INFO).
+    With pipeline parallel, or MoE over expert-parallel ranks, and ``variable_seq_lengths``
+    off, every micro-batch on every rank is padded to one slot length (one MAX all-reduce
+    over the world); otherwise each keeps its own length.
+    ``tp_group`` defaults to Megatron's tensor-parallel group.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    check_tree_model(chunks)
+    return _run_schedule(
+        chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=False, head=head, with_entropy=with_entropy
+    )
+
+
+def flat_forward_backward(
+    model: torch.nn.Module | list[torch.nn.Module],
+    mbs: Sequence[TreeMicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+    temperature: float = 1.0,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    head: str = "logprobs",
+    with_entropy: bool = False,
+) -> list[dict]:
+    """The flat baseline Megatron users run: :func:`tree_forward_backward` for flat micro-batches
+    (``pack_trees(..., share_prefixes=False)``) through an upstream model (``build_tree_model(path,
+    tree=False)``), each sequence one segment of a packed THD row
+    (:func:`~megatron_tree.mcore.packed_seq.thd_packed_seq_params`): Transformer Engine's fused
+    attention per segment and RoPE restarting at each segment, as Megatron's sequence packing
+    does. Same loss path, normalisation and padding as the tree step; needs Transformer Engine.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    return _run_schedule(
+        chunks, mbs, loss_fn, forward_only, temperature, tp_group, thd=True, head=head, with_entropy=with_entropy
+    )
+
+
+def _run_schedule(
+    chunks, mbs, loss_fn, forward_only, temperature, tp_group, *, thd: bool, head: str, with_entropy: bool,
+    collect: bool = False,
+) -> list:
+    """Validate, pad and run the schedule. ``collect`` (with ``forward_only``): the schedule returns each
+    micro-batch's detached head outputs (megatron-core's ``collect_non_loss_data``), not loss dicts."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}; got {head!r}")
+    if with_entropy and head != "logprobs":
+        raise ValueError(f"with_entropy=True needs head='logprobs' (a language-model head); got head={head!r}")
+    config = get_model_config(chunks[0])
+    if not config.calculate_per_token_loss and not collect:
+        raise ValueError(
+            "tree training needs TransformerConfig.calculate_per_token_loss=True: the loss is "
+            "normalised by counts summed over all micro-batches, so tree and flat steps agree exactly "
+            "(set it, e.g. bridge.set_extra_args(calculate_per_token_loss=True))"
+        )
+    if not forward_only:
+        _finalize_grads_for_training(chunks, config)
+    if chunks[0] not in _ANNOUNCED:
+        _ANNOUNCED.add(chunks[0])
+        _log.info("model parameters are %s (log-probs in fp32 from the logits)", next(chunks[0].parameters()).dtype)
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 and thd:
+        raise ValueError(
+            f"the THD flat path (flat_forward_backward / flat_forward_only) does not run under context parallel "
+            f"(size {cp}): it would need Transformer Engine's CP attention and Megatron's THD sharding; run the "
+            f"flat baseline as chains through the tree path (pack_trees(..., share_prefixes=False) and "
+            f"tree_forward_backward) or with context_parallel_size=1"
+        )
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(chunks) > 1:
+        group = config.microbatch_group_size_per_vp_stage or pp
+        if len(mbs) < group or len(mbs) % group:
+            raise ValueError(
+                f"interleaved pipeline parallel needs a micro-batch count that is a multiple of "
+                f"microbatch_group_size_per_vp_stage={group} and at least it, got {len(mbs)}; "
+                f"pack with MicroBatchSpec(n_mbs_divisor={group}, n_mbs={group})"
+            )
+    if not len(mbs):
+        raise ValueError("got no micro-batches; pack_trees returns at least one")
+    _check_token_ids(chunks[0], mbs)
+    device = next(chunks[0].parameters()).device
+    if cp > 1:
+        _check_same_across_context_parallel(mbs, device)
+    length = max(mb.num_slots for mb in mbs)
+    expert_parallel = bool(config.num_moe_experts) and parallel_state.get_expert_model_parallel_world_size() > 1
+    # One length everywhere only where the schedule needs it: pipeline stages exchange
+    # [length, 1, h] activations, and MoE's all-gather dispatcher gathers equal token counts
+    # across expert-parallel ranks. Otherwise every micro-batch keeps its own length.
+    fixed = not config.variable_seq_lengths and (pp > 1 or expert_parallel)
+    if expert_parallel or fixed:
+        # One MAX all-reduce for both: the micro-batch counts (expert-parallel ranks exchange
+        # tokens in every micro-batch, so unequal counts would deadlock) and the slot length.
+        most, neg_least, longest = _all_reduce_max([len(mbs), -len(mbs), length], device)
+        if expert_parallel and most != -neg_least:
+            raise ValueError(
+                f"ranks hold between {-neg_least} and {most} micro-batches (this one {len(mbs)}), but "
+                f"expert-parallel ranks exchange tokens in every micro-batch and need the same count; pack with "
+                f"pack_trees(..., dp_group=parallel_state.get_data_parallel_group()) on every data-parallel rank"
+            )
+        if fixed:
+            length = longest
+    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks; context parallel
+    # cuts them into cp * CP_CHUNKS equal chunks.
+    multiple = schedule_slot_multiple(chunks[0])
+    length = padded_slots(length, multiple)
+    pad_to = length if fixed else None
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_group = tp_group if torch.distributed.get_world_size(tp_group) > 1 else None
+    if thd:
+        forward_step, data_iterator = thd_schedule_inputs(
+            mbs, len(chunks), loss_fn, device=device, pad_to=pad_to, pad_multiple=multiple, tp_group=tp_group,
+            temperature=temperature, head=head, with_entropy=with_entropy,
+        )
+    else:
+        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+        forward_step = tree_forward_step(
+            loss_fn, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
+            cp_group=cp_group,
+        )  # fmt: skip
+        data_iterator = tree_data_iterators(
+            mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple,
+            cp=(parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None,
+        )  # fmt: skip
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(mbs),
+        seq_length=length,
+        micro_batch_size=1,
+        forward_only=forward_only,
+        collect_non_loss_data=collect,
+    )

@@ -1,0 +1,153 @@
+"""CPU mode: megatron-core and mbridge models on a machine without CUDA (tests, demos, the launcher's CPU runs).
+
+megatron-core and mbridge hard-code CUDA (``torch.cuda.current_device()``, CUDA RNG state,
+``.cuda()``, ``device="cuda"`` factories). :func:`cpu_mode` maps those to the CPU for the
+duration of a ``with`` block; on a machine with CUDA it does nothing, so the same test or
+demo code runs unchanged on GPUs. A typical CPU run::
+
+    from megatron_tree import build_tree_model
+    from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.runtime import cpu_mode, init_distributed, save_tiny_hf_checkpoint
+
+    with apply_compat_patches(), cpu_mode():
+        init_distributed(tp=1)                        # gloo without CUDA; works alone or under torchrun
+        path = save_tiny_hf_checkpoint("qwen3", tmp_dir)
+        bridge, model = build_tree_model(path, wrap_with_ddp=False)   # CPU overrides applied
+        logits = model[0](mb.input_ids, mb.position_ids, mb.attention_mask)   # [1, T, V/tp]
+
+Keep the ``cpu_mode`` block open while the model runs: the shim is only active inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_tree.core.patching import AttrPatch, PatchScope
+
+__all__ = ["cpu_mode"]
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for anything naming a CUDA device: ``"cuda"``, ``"cuda:1"``, ``torch.device("cuda")``, an int ordinal."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to ``"cpu"`` in torch calls: the ``device=`` keyword of factories,
+    the positional device of ``Tensor.to``, and ``pin_memory=True`` (needs CUDA)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _cpu_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
+def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+    return self
+
+
+def _tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _torch_cpu_patches() -> list[AttrPatch]:
+    why = "no CUDA: CPU shim"
+    patches = [
+        # A device object, not the index 0: an int means cuda:0 wherever the device-rewriting
+        # mode is not active (autograd runs backward outside it, e.g. megatron's all-gathers).
+        AttrPatch(torch.cuda, "current_device", lambda: torch.device("cpu"), why),
+        # megatron's p2p shape exchange (PP with variable_seq_lengths) synchronises the device.
+        AttrPatch(torch.cuda, "synchronize", lambda device=None: None, why),
+        AttrPatch(torch.nn.Module, "cuda", _module_cuda, why),
+        AttrPatch(torch.Tensor, "cuda", _tensor_cuda, why),
+    ]
+    for namespace in (torch.cuda, torch.cuda.random):
+        patches += [
+            AttrPatch(namespace, "get_rng_state", _cpu_get_rng_state, why),
+            AttrPatch(namespace, "set_rng_state", _cpu_set_rng_state, why),
+            AttrPatch(namespace, "manual_seed", _cpu_manual_seed, why),
+        ]
+    return patches
+
+
+def _mcore_get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """CPU stand-in for ``tensor_parallel.random._get_cuda_rng_state``: the CPU generator state."""
+    return torch.get_rng_state()
+
+
+def _mcore_set_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
+    """CPU stand-in for ``tensor_parallel.random._set_cuda_rng_state``: sets the CPU generator state."""
+    torch.set_rng_state(new_state)
+
+
+def cpu_rng_state() -> list[AttrPatch]:
+    """Route megatron-core's private CUDA RNG-state helpers to the CPU generator (no CUDA only).
+
+    Needed on machines without CUDA, every megatron-core version up to at least 0.19:
+    the RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``)
+    and activation recompute save/restore state through
+    ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``, which index
+    ``torch.cuda.default_generators``. On CPU, dropout and init draw from the CPU generator,
+    so tracking that generator keeps the tracker's fork/restore semantics.
+    """
+    if torch.cuda.is_available():
+        return []
+    from megatron.core.tensor_parallel import random as tp_random
+
+    why = "no CUDA: RNG tracker state lives in the CPU generator"
+    return [
+        AttrPatch(tp_random, "_get_cuda_rng_state", _mcore_get_rng_state, why),
+        AttrPatch(tp_random, "_set_cuda_rng_state", _mcore_set_rng_state, why),
+    ]
+
+
+def _cpu_shim_patches() -> list[AttrPatch]:
+    return _torch_cpu_patches() + cpu_rng_state()
+
+
+_CPU_SCOPE = PatchScope(_cpu_shim_patches)
+
+
+@contextlib.contextmanager
+def cpu_mode() -> Iterator[None]:
+    """Run megatron-core / mbridge code on the CPU inside the block; a no-op when CUDA is available.
+
+    What it maps (reverted on exit, nesting-safe): ``torch.cuda.current_device() -> torch.device('cpu')``; ``torch.cuda.synchronize`` -> no-op;
+    ``torch.cuda.get_rng_state / set_rng_state / manual_seed`` (also under
+    ``torch.cuda.random``) -> the CPU generator; ``nn.Module.cuda`` and ``Tensor.cuda`` ->
+    identity; megatron-core's ``tensor_parallel.random._get_cuda_rng_state /
+    _set_cuda_rng_state`` -> the CPU generator (:func:`cpu_rng_state`);
+    and, through a ``TorchFunctionMode`` active in this thread, CUDA devices in
+    ``device=`` keywords and ``Tensor.to(device)`` -> ``"cpu"``. The mode is thread-local:
+    code run by other threads inside the block sees no device rewriting.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    with _CPU_SCOPE.active(), _CudaToCpuMode():
+        yield

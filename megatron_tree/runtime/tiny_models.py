@@ -1,0 +1,118 @@
+"""Tiny random Hugging Face models of the architectures tree training is tested on (the demo and the tests).
+
+:func:`save_tiny_hf_checkpoint` writes one (config and fp32 weights) that ``AutoBridge.from_pretrained``
+reads like a real checkpoint; :func:`tiny_hf_config` gives its config, :func:`save_hf_config` the config alone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
+
+TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+"""The architectures :func:`tiny_hf_config` knows."""
+
+
+def tiny_hf_config(arch: str, **overrides: Any):
+    """The Hugging Face config of the tiny ``arch`` model (defaults as :func:`save_tiny_hf_checkpoint`),
+    changed by ``overrides``. A key the config class does not define raises ``ValueError``
+    naming the closest valid keys (HF config classes would store a typo silently)."""
+    import difflib
+
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
+    per_arch: dict[str, tuple[str, dict[str, Any]]] = {
+        "qwen3": ("Qwen3Config", dict(head_dim=16)),
+        "qwen2": ("Qwen2Config", {}),
+        "llama": ("LlamaConfig", dict(head_dim=16, attention_bias=False, mlp_bias=False)),
+        "qwen3_moe": (
+            "Qwen3MoeConfig",
+            dict(
+                head_dim=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            ),
+        ),
+    }
+    if arch not in per_arch:
+        raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
+    class_name, extra = per_arch[arch]
+    config_class = getattr(transformers, class_name)
+    valid = {*config_class().to_dict(), *config_class.attribute_map, *common, *extra}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        close = {key: difflib.get_close_matches(key, valid, n=1) for key in unknown}
+        if all(close.values()):
+            fix = "; ".join(f"did you mean {m[0]!r} for {key!r}?" for key, m in close.items())
+        else:
+            fix = f"valid keys: {sorted(k for k in valid if not k.startswith('_'))}"
+        raise ValueError(f"unknown {class_name} key(s) {unknown} for arch={arch!r}; {fix}")
+    return config_class(**{**common, **extra, **overrides})
+
+
+def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
+    """Write a random tiny Hugging Face causal LM (fp32 safetensors + config) to ``path``; return ``path``.
+
+    ``arch`` is one of ``"qwen3"`` (qk-norm), ``"qwen2"`` (qkv biases), ``"llama"``,
+    ``"qwen3_moe"`` (4 experts, top-2, normalised top-k probs). Defaults: hidden 64,
+    2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
+    RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
+    Every parameter is drawn from a ``seed``-ed generator, norm weights around 1 and
+    biases non-zero, so a weight mapped to the wrong place changes the logits.
+
+    Under ``torch.distributed`` only rank 0 writes; all ranks then meet at a barrier, so
+    call it on every rank after :func:`megatron_tree.runtime.init_distributed`.
+    """
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(arch, **overrides)
+    path = os.fspath(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
+                is_norm = param.ndim == 1 and "norm" in name
+                param.copy_(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
+        model.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def save_hf_config(arch: str, path: str | os.PathLike, **overrides: Any) -> str:
+    """Write only the HF ``config.json`` of ``arch`` (defaults as :func:`save_tiny_hf_checkpoint`,
+    changed by ``overrides``) to ``path``; return ``path``. For models that Megatron initialises
+    randomly (``AutoBridge.from_pretrained`` reads only the config). Rank 0 writes, then a barrier."""
+    import torch.distributed as dist
+
+    path = os.fspath(path)
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        tiny_hf_config(arch, **overrides).save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path

@@ -1,0 +1,145 @@
+"""Attention conformance: no backend is trusted beyond the shapes its gradients were compared on.
+
+On a GPU every backend runs the whole grid (megatron_tree.attention.conformance: head dims 64 .. 256
+and MLA's 192 / 128, MHA and GQA 2:1 / 4:1, bf16 / fp16 / fp32, branching trees with a ragged last
+tile, context-parallel query slots) as training calls it: each call either passes the rule (out,
+dQ, dK, dV within 2x the dense kernel's error of the fp64 reference) or is refused by the backend.
+On CPU the same rule runs for the backends that run there, and must fail a backend with a broken
+backward; the padding / head-repeat fit onto proven kernels is checked exactly.
+"""
+
+import math
+
+import pytest
+import torch
+
+from megatron_tree.attention import dense as dense_attention
+from megatron_tree.attention import dispatch as attention
+from megatron_tree.attention import fa4 as fa4_attention
+from megatron_tree.attention import flex as flex_attention
+from megatron_tree.attention import te_chains as chain_attention
+from megatron_tree.attention.conformance import accept, head_dim_grid, run_conformance
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, fit_to_kernel, kernel_shape
+from megatron_tree.core.platform import have_transformer_engine
+
+have_transformer_engine()  # TE loads the system cuDNN: before SDPA's cuDNN backend runs
+
+GPU = torch.cuda.is_available()
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _shape(d, dv=None, ratio=1, dtype=BF16, device="sm90"):
+    return AttentionShape(d, d if dv is None else dv, ratio, dtype, device)
+
+
+def test_fa4_proven_table_and_fit():
+    """FA4 4.0.0b36: 64 / 96 / 128, MHA and GQA 2:1, bf16, Hopper; smaller head dims pad onto the next proven
+    one (72 -> 96, 104 -> 128: 4.0.0b36's dQ is wrong at 72 - 112 itself), larger GQA ratios repeat K/V onto 2:1."""
+    proven = fa4_attention.PROVEN
+    assert kernel_shape(proven, _shape(128, ratio=2)) == (128, 128, 2)
+    assert kernel_shape(proven, _shape(72)) == (96, 96, 1)
+    assert kernel_shape(proven, _shape(80, ratio=2)) == (96, 96, 2)
+    assert kernel_shape(proven, _shape(104)) == (128, 128, 1)
+    assert kernel_shape(proven, _shape(112, ratio=4)) == (128, 128, 2)
+    assert kernel_shape(proven, _shape(32, ratio=8)) == (64, 64, 2)
+    assert kernel_shape(proven, _shape(64, ratio=3)) == (64, 64, 1)
+    for unproven in (_shape(192, 128), _shape(256), _shape(128, dtype=FP16), _shape(128, dtype=FP32),
+                     _shape(128, device="sm100"), _shape(128, device="cpu"), _shape(136)):
+        assert kernel_shape(proven, unproven) is None, unproven
+
+
+def test_backends_refuse_what_they_are_not_proven_on():
+    """Each backend's refusal names what it is proven on and the call's shape; dense computes everything."""
+    reason = flex_attention.refusal(_shape(256, dtype=BF16), batch=1, dropout_p=0.0)
+    assert "proven exact" in reason and "head dim 256" in reason
+    assert flex_attention.refusal(_shape(128, ratio=2), batch=1, dropout_p=0.0) is None
+    assert flex_attention.refusal(_shape(128, ratio=2), batch=2, dropout_p=0.0)
+    assert flex_attention.refusal(_shape(128, ratio=2), batch=1, dropout_p=0.1)
+    assert chain_attention.refusal(_shape(48, ratio=8), dropout_p=0.0) is None  # padded onto 64, repeated onto 4:1
+    assert chain_attention.refusal(_shape(128, ratio=2), dropout_p=0.0)
+    if not fa4_attention.fa4_available():
+        assert "cannot run" in fa4_attention.refusal(_shape(128), batch=1, dropout_p=0.0)
+    assert attention.get_tree_attention_backend("dense").refusal(_shape(256, 128), batch=3, dropout_p=0.5) is None
+    with pytest.raises(ValueError, match="does not run this call: .*proven exact.*Use backend='auto'"):
+        attention.tree_attention(*(torch.zeros(4, 1, 2, 8),) * 3, torch.full((1, 4), 4, dtype=torch.int32),
+                                 backend="flex")
+
+
+@pytest.mark.parametrize("call,kernel", [((72, 72, 2), (96, 96, 2)), ((24, 16, 4), (32, 32, 1)), ((8, 8, 3), (8, 8, 1))])
+def test_fit_to_kernel_is_exact(call, kernel):
+    """Zero-padded head dims and repeated K/V heads give the call's own out / dq / dk / dv (fp64, the dense kernel
+    standing in for a proven one; the softmax scale is the call's)."""
+    d, dv, ratio = call
+    end = torch.tensor([5, 3, 3, 5, 5, 7, 7], dtype=torch.int32)
+    mask = dense_attention.prepare(end[None])
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=g, dtype=torch.float64) for s in
+            ((1, 2 * ratio, 7, d), (1, 2, 7, d), (1, 2, 7, dv), (1, 2 * ratio, 7, dv))]
+
+    def run(fit):
+        q, k, v = (x.clone().requires_grad_() for x in base[:3])
+        args = fit_to_kernel(q, k, v, kernel) if fit else (q, k, v)
+        out = dense_attention.attend(*args, mask, scale=1 / math.sqrt(d), dropout_p=0.0)[..., :dv]
+        out.backward(base[3])
+        return [out, q.grad, k.grad, v.grad]
+
+    for name, got, want in zip(("out", "dq", "dk", "dv"), run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_proven_shapes_describe_and_combine():
+    a = ProvenShapes.grid((64, (192, 128)), (1,), (BF16,), ("sm90",), "a")
+    b = ProvenShapes.grid((128,), (2,), (FP32,), ("sm90",), "b")
+    assert (a | b).describe() == "on sm90: MHA bf16: head dims 64, 192/v128; GQA 2:1 fp32: head dims 128"
+    assert (a | b).proves(_shape(192, 128)) and not a.proves(_shape(192))
+    with pytest.raises(ValueError, match="different devices"):
+        a | ProvenShapes.grid((64,), (1,), (BF16,), ("sm100",), "c")
+
+
+def test_accept_rule():
+    dense = {"out": 1e-3, "dq": 1e-3, "dk": 1e-3, "dv": 1e-3}
+    assert accept({**dense, "dq": 2e-3}, dense, BF16) == []
+    assert accept({**dense, "dq": 1.3}, dense, BF16) == ["dq: rel err 1.3 > 2 x dense 0.001 + 0.0001"]
+    assert accept({**dense, "dv": float("nan")}, dense, BF16)
+
+
+def test_conformance_fails_a_wrong_backward_and_a_wrong_mask(broken_attention_backends):
+    rows = run_conformance(["dense", *broken_attention_backends], head_dims=[(16, 16)], gqa_ratios=[2], dtypes=["fp32"],
+                           trees=["multi_turn"], modes=["routed"], max_tokens=300, heads=4, device="cpu")
+    status = {r.backend: r for r in rows}
+    assert status["dense"].status == "pass"
+    assert status["test_wrong_dq"].status == "FAIL" and status["test_wrong_dq"].message.startswith("dq:")
+    assert status["test_wrong_mask"].status == "FAIL" and "out:" in status["test_wrong_mask"].message
+
+
+def _assert_conforms(rows, backend):
+    failed = [r for r in rows if r.status == "FAIL"]
+    assert not failed, "\n".join(f"{r.backend} {r.tree} d={r.head_dim}/{r.v_head_dim} gqa={r.gqa_ratio} {r.dtype}: "
+                                 f"{r.message}" for r in failed)
+    impl = attention.get_tree_attention_backend(backend)
+    for r in rows:  # every refusal is the backend declining the shape, and it never declines what it is proven on
+        shape = AttentionShape(r.head_dim, r.v_head_dim, r.gqa_ratio, {"bf16": BF16, "fp16": FP16, "fp32": FP32}[r.dtype],
+                               r.device)
+        assert (r.status == "refused") == (impl.refusal(shape, batch=1, dropout_p=0.0) is not None), r
+
+
+@pytest.mark.skipif(GPU, reason="the CPU grid; on a GPU the full grid below runs")
+@pytest.mark.parametrize("backend", ["dense", "auto", "flex", "fa4"])
+def test_backends_conform_on_cpu(backend):
+    rows = run_conformance([backend], head_dims=[(64, 64), (72, 72), (192, 128)], gqa_ratios=[1, 4],
+                           dtypes=["bf16", "fp32"], modes=["routed"], max_tokens=300, device="cpu")
+    _assert_conforms(rows, backend)
+    if backend in ("dense", "auto"):
+        assert all(r.status == "pass" for r in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["dense", "flex", "fa4", "auto"])
+def test_backends_conform_on_gpu(backend):
+    """The whole grid as training calls each backend: pass or refused, never wrong; auto runs every call."""
+    rows = run_conformance([backend], head_dims=head_dim_grid(), modes=["routed"], device="cuda")
+    _assert_conforms(rows, backend)
+    if backend == "auto":
+        assert all(r.status == "pass" for r in rows)
+    if backend == "fa4" and fa4_attention.fa4_available():
+        assert any(r.status == "pass" and r.head_dim == 72 for r in rows), "head dim 72 should run padded onto 96"

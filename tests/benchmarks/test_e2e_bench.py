@@ -1,0 +1,37 @@
+"""The end-to-end benchmark harness runs on CPU (tiny model, scaled-down workloads; CUDA hidden, also on a
+GPU host) and writes every field the GPU runs report, so a GPU run does not fail on the harness itself."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dist_utils import REPO_ROOT as REPO
+from dist_utils import cpu_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_e2e_bench_cpu_smoke(tmp_path):
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, "benchmarks/e2e_bench.py", "--model", "tiny", "--scale", "0.02", "--max-tokens-per-mb", "256",
+           "--workloads", "grpo,no_sharing", "--warmup", "0", "--steps", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=cpu_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu"
+    grpo, no_sharing = result["rows"]
+    assert grpo["token_ratio"] < 0.6 and grpo["flop_ideal_speedup"] > 1.5
+    assert grpo["flop_ideal_speedup"] >= grpo["packed_flop_ideal_speedup"] > 1.0
+    assert no_sharing["token_ratio"] == 1.0 and no_sharing["flop_ideal_speedup"] == 1.0
+    for row in result["rows"]:
+        flat, tree = row["flat"], row["tree"]
+        assert flat["computed_tokens"] == row["original_tokens"] and flat["computed_pairs"] == row["flat_pairs"]
+        assert tree["computed_tokens"] >= row["unique_tokens"] and tree["computed_pairs"] >= row["tree_pairs"]
+        assert max(flat["max_mb_slots"], tree["max_mb_slots"]) <= 256
+        for mode in (flat, tree):
+            assert mode["step_s"] > 0 and mode["peak_mem_gib"] is None
+            profile = mode["profile"]
+            assert 0 < profile["busy_ms"] <= profile["wall_ms"]
+            assert profile["regions_ms"]["logprobs"] > 0 and profile["regions_ms"]["optimizer"] > 0

@@ -1,0 +1,52 @@
+"""The step-time breakdown of benchmarks/step_profile.py accounts regions once and stays within the wall time."""
+
+import time
+
+import torch
+
+from benchmarks.step_profile import OPTIMIZER_REGION, _busy_and_gaps, _category, profile_step
+from megatron_tree.ops.logprobs import vocab_parallel_logprobs
+
+
+def test_regions_and_busy_time_on_cpu():
+    logits = torch.randn(256, 512, requires_grad=True)
+    slots, labels = torch.randint(0, 256, (1024,)), torch.randint(0, 512, (1024,))
+    opt = torch.optim.SGD([logits], lr=0.1)
+
+    def step():
+        vocab_parallel_logprobs(logits, slots, labels, chunk_rows=64).sum().backward()
+        with torch.profiler.record_function(OPTIMIZER_REGION):
+            opt.step()
+        time.sleep(0.05)  # host-side time with no op running: wall, not busy
+
+    out = profile_step(step)
+    assert out["kernels_ms"] == {}  # no kernels on CPU
+    regions = out["regions_ms"]
+    assert regions["logprobs"] > 0 and regions["optimizer"] > 0
+    assert regions["logprobs"] + regions["optimizer"] <= out["busy_ms"] <= out["wall_ms"] - 40
+
+
+def test_union_and_categories():
+    assert _busy_and_gaps([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200)])[0] == 2.5
+    assert _busy_and_gaps([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200), (4500, 4600)])[1] == [
+        (1500, 3000), (4000, 4500)]
+    assert _category("triton_tem_fused_flex_attention_0") == "attention"
+    assert _category("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_NTN") == "gemm"
+    assert _category("triton_poi_fused_add_0") == "compiled_other"
+    assert _category("elementwise_kernel<128, 4>") == "other"
+
+
+def test_idle_attributed_to_the_host_op_running():
+    from types import SimpleNamespace as NS
+
+    from benchmarks.step_profile import _idle_by_host_op
+    from torch.autograd import DeviceType
+
+    def op(name, start, end, parent=None):
+        return NS(name=name, device_type=DeviceType.CPU, time_range=NS(start=start, end=end), cpu_parent=parent)
+
+    step = op("step", 0, 10_000)
+    events = [step, op("aten::item", 1000, 2000, step), op("optimizer", 5000, 9000, step)]
+    out = _idle_by_host_op(events, [(1200, 1800), (6000, 7000), (12_000, 13_000)])
+    assert out["innermost"] == {"optimizer": 1.0, "<none>": 1.0, "aten::item": 0.6}
+    assert out["outermost"] == {"step": 1.6, "<none>": 1.0}

@@ -1,0 +1,303 @@
+"""megatron_tree.compat (and the feature hooks beside it): each compatibility piece and hook applies, nests and reverts exactly; the local-spec
+weight names round-trip through mbridge (load is covered by tests/test_testing_cpu.py, export here);
+what a bridge built inside the block needs stays with it after the block (load, export, save,
+MoE forward and backward with no block open)."""
+
+from __future__ import annotations
+
+import enum
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("mbridge")
+
+from mbridge import AutoBridge  # noqa: E402
+from mbridge.core import llm_bridge, util  # noqa: E402
+from mbridge.core.bridge import Bridge  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from megatron_tree.mcore.bridge import build_flat_model, build_tree_model  # noqa: E402
+from megatron_tree.mcore.config_overrides import cpu_transformer_overrides  # noqa: E402
+from megatron_tree.runtime import (  # noqa: E402
+    cpu_mode,
+    save_tiny_hf_checkpoint,
+)
+from megatron_tree.compat import apply_compat_patches  # noqa: E402
+from megatron_tree.testing import hf_reference_logits  # noqa: E402
+from megatron_tree.compat import mbridge as mbridge_patches  # noqa: E402
+from megatron_tree.compat import megatron_core as megatron_core_patches  # noqa: E402
+from megatron_tree.runtime.cpu import cpu_rng_state  # noqa: E402
+from megatron_tree.mcore.bridge_hooks import layer_spec_hook, model_hook  # noqa: E402
+from scripts.parity_common import branching_forest, hf_logprobs, max_diff, micro_batches, tree_logprobs  # noqa: E402
+
+_ABSENT = object()
+_MBRIDGE_MAPPING = Bridge._weight_name_mapping_mcore_local_to_global  # as imported, before any block
+PIECES = [
+    mbridge_patches.model_type_encoder_and_decoder,
+    mbridge_patches.hf_rope_theta,
+    mbridge_patches.local_layer_spec,
+    mbridge_patches.local_spec_weight_names,
+    mbridge_patches.qwen_moe_norm_topk_prob,
+    mbridge_patches.tied_embedding_mapping_per_bridge,
+    megatron_core_patches.moe_te_general_gemm,
+    cpu_rng_state,
+]
+
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: save_tiny_hf_checkpoint(arch, root / arch) for arch in ("qwen2", "qwen3_moe")}
+
+
+def _own(owner, name):
+    return vars(owner).get(name, _ABSENT)
+
+
+@pytest.mark.parametrize("piece", PIECES, ids=lambda f: f.__name__)
+def test_each_piece_restores_the_exact_original(piece):
+    patches = piece()  # empty where this process does not need the piece (e.g. ModelType on megatron-core 0.16)
+    saved = [_own(p.owner, p.name) for p in patches]
+    for p in patches:
+        p.apply()
+        assert getattr(p.owner, p.name) is p.new
+    for p in reversed(patches):
+        p.revert()
+    assert [_own(p.owner, p.name) for p in patches] == saved
+    for p in patches:
+        with pytest.raises(RuntimeError, match="not applied"):
+            p.revert()
+
+
+def test_apply_compat_patches_is_nested_safe_and_reverts():
+    originals = {
+        (Bridge, "__init__"): Bridge.__init__,
+        (Bridge, "_weight_name_mapping_mcore_local_to_global"): Bridge._weight_name_mapping_mcore_local_to_global,
+        (llm_bridge, "get_gpt_decoder_block_spec"): llm_bridge.get_gpt_decoder_block_spec,
+        (Bridge, "get_model"): Bridge.get_model,
+        (util, "ModelType"): util.ModelType,
+    }
+    with apply_compat_patches() as applied:
+        with apply_compat_patches() as inner:
+            assert inner == applied
+        for p in applied:  # still applied after the inner block
+            assert getattr(p.owner, p.name) is p.new
+        assert hasattr(moe_utils, "te_general_gemm")
+    for (owner, name), original in originals.items():
+        assert getattr(owner, name) is original, name
+    assert hasattr(moe_utils, "te_general_gemm")  # an upstream fix (a missing name) stays applied
+
+
+class _Frozen:
+    def __setattr__(self, name, value):
+        raise RuntimeError("boom")
+
+
+def test_patch_failure_during_apply_reverts_what_was_applied(monkeypatch):
+    real = mbridge_patches.compat_patches
+    # the last patch cannot apply: the ones applied before it must be reverted
+    failing = mbridge_patches.AttrPatch(_Frozen(), "x", 0)
+    monkeypatch.setattr(mbridge_patches, "compat_patches", lambda: real() + [failing])
+    before = Bridge.get_model, llm_bridge.get_gpt_decoder_block_spec
+    with pytest.raises(RuntimeError, match="boom"):
+        with apply_compat_patches():
+            pass
+    assert (Bridge.get_model, llm_bridge.get_gpt_decoder_block_spec) == before
+
+
+def test_model_type_patch_only_where_the_member_is_missing(monkeypatch):
+    if hasattr(util.ModelType, "encoder_and_decoder"):
+        assert mbridge_patches.model_type_encoder_and_decoder() == []
+    stripped = enum.Enum("ModelType", ["encoder_or_decoder"])
+    monkeypatch.setattr(util, "ModelType", stripped)
+    (patch,) = mbridge_patches.model_type_encoder_and_decoder()
+    patch.apply()
+    assert util.ModelType.encoder_or_decoder is stripped.encoder_or_decoder
+    assert all(util.ModelType.encoder_and_decoder != member for member in stripped)
+    patch.revert()
+    assert util.ModelType is stripped
+
+
+def test_rope_theta_exposed_from_rope_parameters():
+    config = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 123.0})
+    mbridge_patches._expose_rope_theta(config)
+    assert config.rope_theta == 123.0
+    scaled = types.SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0, "factor": 4.0})
+    with pytest.raises(ValueError, match="yarn"):
+        mbridge_patches._expose_rope_theta(scaled)
+
+
+def test_bridge_rotary_base_comes_from_the_checkpoint(tiny_paths, cpu_dist):
+    with apply_compat_patches():
+        bridge = AutoBridge.from_pretrained(tiny_paths["qwen2"])
+    assert bridge._get_gptmodel_args()["rotary_base"] == 1e6
+
+
+def test_local_names_map_to_te_names_with_global_expert_ids():
+    moe = types.SimpleNamespace(
+        _MLP_MAPPING={"pre_mlp_layernorm": []},
+        mpu=types.SimpleNamespace(ep_size=2, ep_rank=1),
+        config=types.SimpleNamespace(num_moe_experts=8),
+    )
+    dense = types.SimpleNamespace(_MLP_MAPPING={"mlp.linear_fc1.weight": []})
+    name = mbridge_patches._local_name_to_te_name
+    assert name(dense, "decoder.layers.3.input_layernorm.weight", True) == (
+        "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert name(dense, "decoder.layers.3.pre_mlp_layernorm.weight", True) == (
+        "decoder.layers.3.mlp.linear_fc1.layer_norm_weight"
+    )
+    assert name(moe, "decoder.layers.3.pre_mlp_layernorm.weight", True) == "decoder.layers.3.pre_mlp_layernorm.weight"
+    local = "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert name(moe, local, True) == "decoder.layers.3.mlp.experts.linear_fc2.weight5"  # 1 + 8/2 * 1
+    assert name(moe, local, False) == "decoder.layers.3.mlp.experts.linear_fc2.weight1"
+    assert name(moe, "decoder.layers.3.self_attention.linear_qkv.weight", True).endswith("linear_qkv.weight")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_export_weights_round_trips_hf_checkpoint(arch, tiny_paths, cpu_dist):
+    hf = load_file(f"{tiny_paths[arch]}/model.safetensors")
+    with apply_compat_patches(), cpu_mode():
+        bridge, chunks = build_flat_model(tiny_paths[arch])
+        exported = dict(bridge.export_weights(chunks))
+    assert sorted(exported) == sorted(hf)
+    for key, value in hf.items():
+        assert torch.equal(exported[key], value), key
+
+
+def test_router_follows_norm_topk_prob(tmp_path, cpu_dist):
+    path = save_tiny_hf_checkpoint("qwen3_moe", tmp_path, norm_topk_prob=False)
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        bridge, chunks = build_flat_model(path)
+        with torch.no_grad():
+            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        assert bridge.config.moe_router_pre_softmax
+        bridge.set_extra_args(moe_router_pre_softmax=False)  # an explicit choice wins
+        assert not bridge.config.moe_router_pre_softmax
+    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+
+
+def test_tied_bridge_keeps_its_output_mapping_to_itself(tmp_path, cpu_dist):
+    """mbridge writes a tied checkpoint's output_layer -> embed_tokens mapping into the class dict;
+    under the patches it stays on that bridge, and an untied model built later loads its lm_head."""
+    tied = save_tiny_hf_checkpoint("qwen2", tmp_path / "tied", tie_word_embeddings=True)
+    untied = save_tiny_hf_checkpoint("qwen2", tmp_path / "untied")
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        tied_bridge, _ = build_flat_model(tied)
+        _, chunks = build_flat_model(untied)
+        with torch.no_grad():
+            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+    assert tied_bridge._DIRECT_MAPPING["output_layer.weight"] == "model.embed_tokens.weight"
+    assert type(tied_bridge)._DIRECT_MAPPING["output_layer.weight"] == "lm_head.weight"
+    assert (logits - hf_reference_logits(untied, input_ids)).abs().max().item() < 1e-5
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+
+
+def test_layer_spec_and_model_hooks_apply_nest_and_revert(tiny_paths, cpu_dist):
+    calls = []
+
+    def final_norm_to_identity(spec):
+        calls.append(("outer", type(spec)))
+        return type(spec)(layer_specs=spec.layer_specs, layer_norm=IdentityOp)
+
+    def record(spec):
+        calls.append("inner")
+        return spec
+
+    original_spec, original_get_model = llm_bridge.LLMBridge._get_transformer_layer_spec, Bridge.get_model
+    with apply_compat_patches(), cpu_mode():
+        bridge = AutoBridge.from_pretrained(tiny_paths["qwen2"], dtype=torch.float32)
+        bridge.set_extra_args(**cpu_transformer_overrides(moe=False))
+        with layer_spec_hook(final_norm_to_identity), model_hook(_Wrapped):
+            with layer_spec_hook(record), layer_spec_hook(final_norm_to_identity), model_hook(_Wrapped):
+                chunks = bridge.get_model(bf16=False, fp16=False, wrap_with_ddp=False)
+            assert llm_bridge.LLMBridge._get_transformer_layer_spec is not original_spec  # outer still open
+        plain = bridge.get_model(bf16=False, fp16=False, wrap_with_ddp=False)
+    assert calls == [("outer", TransformerBlockSubmodules), "inner"]
+    (chunk,) = chunks
+    assert isinstance(chunk, _Wrapped) and isinstance(chunk.chunk.decoder.final_layernorm, IdentityOp)
+    assert not isinstance(plain[0], _Wrapped) and not isinstance(plain[0].decoder.final_layernorm, IdentityOp)
+    assert llm_bridge.LLMBridge._get_transformer_layer_spec is original_spec
+    assert Bridge.get_model is original_get_model
+
+
+def test_hooks_reject_bad_transforms(tiny_paths, cpu_dist):
+    with pytest.raises(TypeError, match="spec_transform"):
+        with layer_spec_hook("not callable"):
+            pass
+    with pytest.raises(TypeError, match="model_transform"):
+        with model_hook(None):
+            pass
+    with apply_compat_patches(), cpu_mode():
+        bridge = AutoBridge.from_pretrained(tiny_paths["qwen2"], dtype=torch.float32)
+        bridge.set_extra_args(**cpu_transformer_overrides(moe=False))
+        with pytest.raises(TypeError, match="returned None"):
+            with layer_spec_hook(lambda spec: None):
+                bridge.get_model(bf16=False, fp16=False, wrap_with_ddp=False)
+
+
+def test_patches_install_only_under_megatron_tree():
+    """setup.py ships patches/ as megatron_tree.compat (a link), never as a top-level ``patches``."""
+    import pathlib
+
+    from setuptools import find_packages
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    packages = find_packages(str(root), include=["megatron_tree", "megatron_tree.*"])
+    assert "megatron_tree.compat" in packages
+    assert not any(p == "patches" or p.startswith("patches.") for p in packages)
+    assert "find_packages(include=[\"megatron_tree\", \"megatron_tree.*\"])" in (root / "setup.py").read_text()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_bridge_built_in_the_block_loads_exports_and_saves_after_it(arch, tiny_paths, cpu_dist, tmp_path):
+    hf = load_file(f"{tiny_paths[arch]}/model.safetensors")
+    with cpu_mode():
+        bridge, chunks = build_tree_model(tiny_paths[arch])  # opens and closes patch_bridge_for_tree_training
+    assert Bridge._weight_name_mapping_mcore_local_to_global is _MBRIDGE_MAPPING  # the class is mbridge's again
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.zero_()
+    bridge.load_weights(chunks, tiny_paths[arch])
+    exported = dict(bridge.export_weights(chunks))
+    bridge.save_weights(chunks, tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    for got in (exported, saved):
+        assert sorted(got) == sorted(hf)
+        for key, value in hf.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_norm_topk_prob_fix_outlives_the_block(tmp_path, cpu_dist):
+    path = save_tiny_hf_checkpoint("qwen3_moe", tmp_path, norm_topk_prob=False)
+    with apply_compat_patches():
+        bridge = AutoBridge.from_pretrained(path)
+    bridge.set_extra_args(attention_dropout=0.0)  # rebuilds bridge.config after the block
+    assert bridge.config.moe_router_pre_softmax
+
+
+def test_moe_forward_and_backward_with_no_block_open(tiny_paths, cpu_dist, monkeypatch):
+    if getattr(moe_utils, "te_general_gemm", _ABSENT) is None:  # our fix, from an earlier block: undo it here
+        monkeypatch.delattr(moe_utils, "te_general_gemm")
+    seqs = branching_forest()
+    with cpu_mode():
+        _, chunks = build_tree_model(tiny_paths["qwen3_moe"])
+        model = chunks[0].train()
+        logprobs = tree_logprobs(model, micro_batches(seqs))
+        sum(lp.sum() for lp in logprobs.values()).backward()
+    assert max_diff(logprobs, hf_logprobs(tiny_paths["qwen3_moe"], seqs)) < 1e-5
+    router = model.decoder.layers[0].mlp.router.weight.grad
+    assert router is not None and torch.isfinite(router).all() and router.abs().max() > 0

@@ -1,0 +1,132 @@
+"""MoE router statistics on tree micro-batches (megatron_tree.mcore.router_stats), CPU, fp32.
+
+A tree training step with Megatron's load-balancing losses, z-loss or expert bias on equals the
+flat step with the same grouping (tests/scripts/router_stats_parity.py: loss, every gradient,
+logged aux losses, per-expert token counts), in-process at EP=1 (also under full recompute)
+and over gloo at EP=2 and PP=2; routers that count each slot once are far off. What a tree
+cannot reproduce is refused.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import run_torchrun
+from hypothesis import given, settings
+from scripts.router_stats_parity import CASES, TOL, batch, build, compare, run_case, tree_step
+
+from forests import any_batch
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.compat import apply_compat_patches
+from megatron_tree.mcore.router_stats import weighted_router_statistics
+from megatron_tree.mcore.router_stats import SlotWeights, tree_padding_mask, weigh_router_statistics
+from megatron_tree.runtime import cpu_mode, destroy_distributed, init_cpu_distributed, save_tiny_hf_checkpoint
+
+@settings(max_examples=60, deadline=None)
+@given(any_batch)
+def test_per_sequence_sums_match_the_incidence_matrix(seqs):
+    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=200), pad_to_multiple_of=8)[0]
+    slot = torch.arange(mb.num_slots)
+    incidence = ((slot <= mb.last_slots[:, None]) & (mb.last_slots[:, None] < mb.attention_mask)).double()  # [n, T]
+    weights = SlotWeights(
+        multiplicity=mb.multiplicity[0],
+        subtree_end=mb.attention_mask[0],
+        last_slots=mb.last_slots,
+        num_tokens=mb.num_original_tokens,
+        num_sequences=len(mb.sequence_ids),
+    )
+    x = torch.randn(mb.num_slots, 3, dtype=torch.float32, requires_grad=True)
+    sums = weights.per_sequence(x)
+    torch.testing.assert_close(sums.double(), incidence @ x.double(), rtol=1e-6, atol=1e-5)
+    out_grad = torch.randn_like(sums)
+    sums.backward(out_grad)
+    torch.testing.assert_close(x.grad.double(), incidence.T @ out_grad.double(), rtol=1e-6, atol=1e-5)
+    routed = torch.rand(mb.num_slots, 3) < 0.5
+    counts = weights.per_sequence(routed)
+    assert counts.dtype == torch.int64 and torch.equal(counts, (incidence @ routed.double()).long())
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    # The compatibility patches stay active while MoE runs without Transformer Engine.
+    with apply_compat_patches(), cpu_mode():
+        init_cpu_distributed(seed=7)
+        yield save_tiny_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tiny_moe"), num_hidden_layers=2)
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tree_step_equals_flat_step(moe_checkpoint, case):
+    r = run_case(moe_checkpoint, case, batch(np.random.default_rng(0), 160), max_tokens=48)
+    assert r["mbs"] > 1 and r["shared"] > 1.5
+    for kind in ("tree", "chains"):
+        assert max(r[kind].values()) < TOL, (kind, r)
+    # Each slot counted once: the gradient (or, for expert bias, the token counts) is far off.
+    assert max(r["unweighted"]["grad"], r["unweighted"]["counts"]) > 0.1, r
+
+
+def test_micro_batches_without_sequences_add_nothing(moe_checkpoint):
+    mbs = pack_trees(batch(np.random.default_rng(0), 160), MicroBatchSpec(max_tokens_per_mb=48, n_mbs=6))
+    assert any(mb.num_tokens == 0 for mb in mbs)
+    with_empty = tree_step(build(moe_checkpoint, "all"), mbs)
+    without = tree_step(build(moe_checkpoint, "all"), [mb for mb in mbs if mb.num_tokens])
+    assert max(compare(with_empty, without).values()) == 0.0
+
+
+def test_tree_step_equals_flat_step_with_full_recompute(moe_checkpoint):
+    r = run_case(moe_checkpoint, "all", batch(np.random.default_rng(1), 160), max_tokens=48, recompute="full")
+    assert max(r["tree"].values()) < TOL and r["unweighted"]["grad"] > 0.1, r
+
+
+@pytest.mark.parametrize(
+    "args, cases",
+    [(["--ep", "2"], list(CASES)), (["--pp", "2", "--recompute", "full", "--cases", "all"], ["all"])],
+    ids=["ep2", "pp2-recompute-full"],
+)
+@pytest.mark.multiprocess
+def test_tree_step_equals_flat_step_distributed(tmp_path, args, cases):
+    out = run_torchrun("scripts/router_stats_parity.py", 2, ["--ckpt", str(tmp_path), *args], timeout=300)
+    # One "ROUTERSTATS rank=R case=C key=value ..." record per rank and case (lines may be glued).
+    rows = [dict(re.findall(r"(\w+)=(\S+)", part)) for part in out.split("ROUTERSTATS")[1:]]
+    assert sorted((int(r["rank"]), r["case"]) for r in rows) == sorted((r, c) for r in range(2) for c in cases), out[-3000:]
+    for r in rows:
+        assert max(float(v) for k, v in r.items() if k.startswith("tree_")) < TOL, r
+        assert max(float(r["unweighted_grad"]), float(r["unweighted_counts"])) > 0.1, r
+
+
+def test_refused_configurations(moe_checkpoint):
+    with pytest.raises(ValueError, match="moe_expert_capacity_factor=1.0"):
+        build_with(moe_checkpoint, moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs")
+    with pytest.raises(ValueError, match="sinkhorn"):
+        build_with(moe_checkpoint, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0)
+    gpt = build(moe_checkpoint, "aux_loss")[0].module
+    gpt.config.sequence_parallel = True
+    try:
+        with pytest.raises(ValueError, match="sequence_parallel=False"):
+            weigh_router_statistics(gpt)
+    finally:
+        gpt.config.sequence_parallel = False
+    # A megatron-core whose router internals changed is refused by name.
+    router = build(moe_checkpoint, "aux_loss", weighted=False)[0].module.decoder.layers[0].mlp.router
+    router._apply_seq_aux_loss = lambda probs, scores, routing_map: probs
+    with pytest.raises(RuntimeError, match=r"TopKRouter._apply_seq_aux_loss takes \('probs', 'scores', 'routing_map'\)"):
+        weighted_router_statistics(router, lambda padding_mask: None)
+
+
+def build_with(path, **overrides):
+    from megatron_tree.mcore.bridge import build_tree_model
+
+    return build_tree_model(path, extra_args=overrides, load_weights=False)
+
+
+def test_training_forward_without_tree_padding_mask_is_refused(moe_checkpoint):
+    gpt = build(moe_checkpoint, "z_loss")[0]
+    mb = pack_trees(batch(np.random.default_rng(0), 160), MicroBatchSpec(max_tokens_per_mb=48))[0]
+    with pytest.raises(ValueError, match="tree_padding_mask"):
+        gpt(mb.input_ids, mb.position_ids, mb.attention_mask)
+    gpt(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=tree_padding_mask(mb))
+    with torch.no_grad():  # statistics are computed only with gradients
+        gpt(mb.input_ids, mb.position_ids, mb.attention_mask)

@@ -1,0 +1,268 @@
+"""The launcher (megatron_tree.train) runs end to end on CPU; its config is validated with clear errors."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import REPO_ROOT, cpu_env, run_torchrun
+from examples.make_rollouts import make_rollouts, write_rollouts
+from megatron_tree.train.__main__ import FLAGS, build_parser, main
+from megatron_tree.train.config import RunConfig
+from megatron_tree.train.trainer import check_layers
+
+LAUNCHER = REPO_ROOT / "examples" / "train_tree.py"
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_launcher_trains_and_loss_goes_down(tmp_path):
+    out = tmp_path / "run.jsonl"
+    subprocess.run(
+        [sys.executable, str(LAUNCHER), "--config", "configs/tiny_qwen3.yaml", "--steps", "4", "--no-progress",
+         "--log-jsonl", str(out)],
+        cwd=REPO_ROOT, check=True, env=cpu_env(), capture_output=True, timeout=600,
+    )
+    recs = records(out)
+    assert len(recs) == 4
+    losses = [r["loss"] for r in recs]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert 0 < recs[0]["tree_token_ratio"] < 0.8  # GRPO batch: prefixes are shared
+
+
+@pytest.mark.multiprocess
+def test_launcher_dp2_balances_ranks(tmp_path):
+    out = tmp_path / "run.jsonl"
+    run_torchrun(LAUNCHER, 2, ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--no-progress",
+                               "--log-jsonl", str(out)], timeout=600)
+    for rec in records(out):
+        a, b = rec["dp_micro_batches"]
+        assert a == b, rec
+        assert rec["dp_tree_token_imbalance"] < 1.2, rec
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("loss", ["grpo", "ppo"])
+def test_launcher_context_parallel_equals_one_rank(tmp_path, loss):
+    """--cp 2 (each micro-batch's slots over two ranks) logs the one-process run's losses and grad norms."""
+    args = ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--batch-size", "2", "--loss", loss, "--no-progress"]
+    one, two = tmp_path / "cp1.jsonl", tmp_path / "cp2.jsonl"
+    run_torchrun(LAUNCHER, 1, [*args, "--log-jsonl", str(one)], timeout=600)
+    run_torchrun(LAUNCHER, 2, [*args, "--cp", "2", "--log-jsonl", str(two)], timeout=600)
+    keys = ["loss", "loss_tokens", "grad_norm", "tree_tokens"] + (["critic_loss", "critic_grad_norm"] if loss == "ppo" else [])
+    for a, b in zip(records(one), records(two), strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
+        assert "cp_pair_imbalance" not in a and b["cp_pair_imbalance"] < 1.1 and len(b["cp_rank_pairs"]) == 2
+
+
+@pytest.mark.parametrize(
+    "config, args",
+    [("tiny_qwen3.yaml", ["--tp", "2", "--pp", "2"]), ("tiny_qwen3_moe.yaml", ["--ep", "2", "--pp", "2"])],
+    ids=["tp2xpp2", "ep2xpp2-moe"],
+)
+@pytest.mark.multiprocess
+def test_launcher_four_processes(tmp_path, config, args):
+    """The four-GPU job's code path (TP x PP, EP x PP MoE), scaled down to 4 gloo processes."""
+    out = tmp_path / "run.jsonl"
+    run_torchrun(LAUNCHER, 4, ["--config", f"configs/{config}", "--steps", "2", "--no-progress",
+                               "--log-jsonl", str(out), *args], timeout=600)
+    recs = records(out)
+    assert len(recs) == 2 and all(np.isfinite(r["loss"]) for r in recs)
+
+
+def test_yaml_configs_load():
+    for name in ("tiny_qwen3.yaml", "tiny_qwen3_4layers.yaml", "tiny_qwen3_moe.yaml"):
+        cfg = RunConfig.from_yaml(str(REPO_ROOT / "configs" / name))
+        assert cfg.micro_batch.max_tokens_per_mb > 0
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"trainer": {}}, "unknown section(s) ['trainer']"),
+        ({"train": {"stepz": 3}}, "train: unknown key(s) ['stepz']"),
+        ({"train": {"recompute": "partial"}}, "train.recompute must be one of"),
+        ({"train": {"tree_training": "yes"}}, "train.tree_training must be true or false"),
+        ({"parallel": {"tp": 0}}, "parallel.tp must be an int >= 1"),
+        ({"parallel": {"vpp": 2}}, "parallel.vpp must be null or an int >= 2 with pp >= 2"),
+        ({"micro_batch": {"max_tokens_per_mb": -1}}, "max_tokens_per_mb must be a positive int"),
+        ({"micro_batch": {"n_mbs": 2}}, "needs max_tokens_per_mb"),
+        ({"model": {"arch": "gpt2"}}, "model.arch must be one of"),
+        ({"data": {"prompt_len": [5, 2]}}, "data.prompt_len must be [lo, hi]"),
+        ({"data": {"prompt_len": 5}}, "data.prompt_len must be a list [an int, an int], got 5"),
+        ({"train": {"lr": "fast"}}, "train.lr must be a number, got 'fast'"),
+        ({"train": [1]}, "train must be a mapping"),
+        ({"model": {"hf_overrides": {"hiden_size": 64}}}, "did you mean 'hidden_size' for 'hiden_size'?"),
+        ({"model": {"hf_overrides": {"hidden_size": "big"}}}, "model.hf_overrides: Validation error for field 'hidden_size'"),
+        ({"model": {"hf_path": "/nonexistent"}}, "model.hf_path '/nonexistent' is not a Hugging Face checkpoint"),
+        ({"checkpoint": {"save_interval": 2}}, "checkpoint.save_interval needs checkpoint.save"),
+        ({"model": {"random_init": True}, "checkpoint": {"export_hf": "x"}}, "export_hf needs a model built from"),
+        ({"train": {"kl_coef": 0.1}}, "train.kl_coef=0.1 applies to losses grpo and ppo only"),
+        ({"data": {"path": "rollouts.csv"}}, "data.path must be a file ending in .jsonl or .parquet"),
+        ({"logging": {"wandb_mode": "cloud"}}, "logging.wandb_mode must be one of"),
+    ],
+)
+def test_bad_config_values_are_named(raw, message):
+    with pytest.raises(ValueError) as e:
+        RunConfig.from_dict(raw, source="cfg.yaml")
+    assert message in str(e.value) and "cfg.yaml" in str(e.value)
+
+
+def test_malformed_yaml_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  arch: qwen3\n hf_overrides: [\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: not valid YAML at line 3, column 2"):
+        RunConfig.from_yaml(str(bad))
+
+
+def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
+    """PyYAML (YAML 1.1) reads `3e-3` and `1e1` as strings; number fields take them, int fields only integral ones."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("train:\n  lr: 3e-3\n  steps: 1e1\n  kl_coef: '0'\ndata:\n  fork_prob: 5e-1\n")
+    c = RunConfig.from_yaml(str(cfg))
+    assert (c.train.lr, c.train.steps, c.train.kl_coef, c.data.fork_prob) == (0.003, 10, 0.0, 0.5)
+    assert type(c.train.steps) is int and type(c.train.lr) is float
+    for text, message in (("train: {steps: 2.5e0}", "train.steps must be an int, got '2.5e0'"),
+                          ("train: {lr: nan}", "train.lr must be a number, got 'nan'")):
+        cfg.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RunConfig.from_yaml(str(cfg))
+
+
+def test_malformed_command_line_is_argparse_usage_and_status_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--stepz", "3"])
+    assert e.value.code == 2 and "unrecognized arguments: --stepz" in capsys.readouterr().err
+
+
+def test_help_shows_every_flag_with_its_key_and_default():
+    text = " ".join(build_parser().format_help().split())
+    for flag, (key, _) in FLAGS.items():
+        assert flag in text and f"[{key}, default " in text, flag
+    assert "--seed N" in text and "[train.seed, default 0]" in text
+
+
+def test_layers_must_split_over_pipeline_stages():
+    check_layers(4, 2, 2)
+    with pytest.raises(ValueError, match=r"num_hidden_layers=2, not divisible by pp \* vpp = 2 \* 2.*tiny_qwen3_4layers"):
+        check_layers(2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "train.steps (--steps) must be an int >= 1, got 0"),
+        (["--hf-path", "/nonexistent"], "model.hf_path (--hf-path) '/nonexistent' is not a Hugging Face checkpoint"),
+        (["--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
+        (["--tp", "2"], "world size 1 is not divisible by tp * pp * cp = 2 * 1 * 1"),
+        (["--save", "/proc/no/such/dir"], "checkpoint.save '/proc/no/such/dir': cannot create the directory"),
+        (["--load", "/proc"], "--load '/proc': neither a checkpoint nor a directory with latest_checkpointed_iteration"),
+        pytest.param(["--bf16"], "train.bf16 (--bf16) needs a CUDA GPU", marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="refused on CPU only")),
+    ],
+)
+def test_mistakes_end_in_one_line_and_a_nonzero_exit(capsys, argv, message):
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megatron-tree-train: error: ") and message in err[-1], err
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize(
+    "flag, target, message",
+    [
+        ("--log-jsonl", "afile/x.jsonl", "logging.jsonl (--log-jsonl) '{tmp}/afile/x.jsonl': cannot create its "
+                                         "directory '{tmp}/afile' ('{tmp}/afile' is a file)"),
+        ("--log-jsonl", "adir", "logging.jsonl (--log-jsonl) '{tmp}/adir' is a directory; pass a file path"),
+        ("--tensorboard-dir", "afile", "logging.tensorboard_dir (--tensorboard-dir) '{tmp}/afile': cannot create "
+                                       "the directory ('{tmp}/afile' is a file)"),
+        ("--tensorboard-dir", "afile/tb", "logging.tensorboard_dir (--tensorboard-dir) '{tmp}/afile/tb': cannot "
+                                          "create the directory ('{tmp}/afile' is a file)"),
+    ],
+)
+def test_unwritable_log_paths_name_their_option(tmp_path, capsys, flag, target, message):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    assert main([flag, str(tmp_path / target)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "megatron-tree-train: error: " + message.format(tmp=tmp_path), err
+
+
+def test_save_into_a_directory_holding_a_run_needs_load(tmp_path, capsys):
+    """Without --load, a fresh run would later point the tracker back to a lower iteration while newer
+    iter_* folders stay: refused before anything is built."""
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    assert main(["--save", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"megatron-tree-train: error: --save {tmp_path} already holds checkpoints up to iteration 4: "
+                       f"pass --load {tmp_path} to resume, or choose an empty --save directory"), err
+
+
+def test_data_errors_name_the_row_and_nothing_is_left_behind(tmp_path, capsys, monkeypatch):
+    """A token id beyond the model's vocabulary is refused before training, naming file, line and
+    field; the temporary model directory is removed on that path as on the normal one."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps({"input_ids": [4, 500]}) + "\n")
+    assert main(["--data-path", str(data), "--batch-size", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "rollouts.jsonl line 2: token id 500 in 'input_ids' is outside the model's vocabulary [0, 160)" in err
+    assert sorted(os.listdir(tmp_path)) == ["rollouts.jsonl"]
+
+
+def test_rollout_file_run_logs_plain_lines_to_sinks(tmp_path, capsys, monkeypatch):
+    """GRPO on the sample file (examples/make_rollouts.py) with JSONL and TensorBoard sinks; stdout
+    is not a terminal, so no progress bar, only one line per step; no temporary files remain."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = str(tmp_path / "rollouts.parquet")
+    write_rollouts(make_rollouts(prompts=4), data)
+    argv = ["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), "--data-path", data, "--loss", "grpo",
+            "--steps", "3", "--batch-size", "3", "--log-jsonl", str(tmp_path / "log.jsonl"),
+            "--tensorboard-dir", str(tmp_path / "tb")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\r" not in out and "it/s" not in out
+    lines = [line for line in out.splitlines() if line.startswith(" iteration")]
+    assert [line.split("|")[0].split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    recs = records(tmp_path / "log.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in recs)
+    tokens = [r["original_tokens"] for r in recs]
+    assert tokens[1] < tokens[0] == tokens[2]  # 4 groups: 3, the last 1, then the first 3 again
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in recs])
+    assert sorted(os.listdir(tmp_path)) == ["log.jsonl", "rollouts.parquet", "tb"]
+
+
+def test_wandb_offline_and_missing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert main(["--steps", "1", "--wandb-project", "tree", "--wandb-mode", "offline"]) == 0
+    assert any(name.startswith("offline-run-") for name in os.listdir(tmp_path / "wandb"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    assert main(["--steps", "1", "--wandb-project", "tree"]) == 1
+    assert "--wandb-project needs the wandb package: pip install wandb" in capsys.readouterr().err
+
+
+def test_wandb_online_without_an_api_key_is_one_line(tmp_path, capsys, monkeypatch):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "WANDB_DIR", "WANDB_CONFIG_DIR", "NETRC"):
+        monkeypatch.setenv(name, str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert main(["--steps", "1", "--wandb-project", "test"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megatron-tree-train: error: --wandb-project test: wandb cannot start a run (No API "
+                              "key configured") and "pass --wandb-mode offline" in err[-1] and "wandb login" in err[-1]
+    assert not any("Traceback" in line for line in err), err

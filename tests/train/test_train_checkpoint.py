@@ -1,0 +1,101 @@
+"""Checkpoints: a resumed run reproduces the uninterrupted run exactly (one process, and PP=2 with
+interleaving over torchrun); --export-hf writes a checkpoint transformers loads, and training on
+from it continues where the exporting run stopped."""
+
+import json
+
+import pytest
+
+from dist_utils import REPO_ROOT, run_torchrun
+from examples.make_rollouts import make_rollouts, write_rollouts
+from megatron_tree.train.__main__ import main
+
+LAUNCHER = REPO_ROOT / "examples" / "train_tree.py"
+CONFIG = str(REPO_ROOT / "configs" / "tiny_qwen3.yaml")
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def exact(recs):
+    return [(r["step"], r["loss"], r["grad_norm"], r["original_tokens"]) for r in recs]
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("data") / "rollouts.jsonl")
+    write_rollouts(make_rollouts(prompts=5), path)
+    return path
+
+
+def test_resumed_run_equals_the_uninterrupted_one(tmp_path, rollouts):
+    """A rollout file (loss on the response tokens), 3 groups a step over 5 groups (steps cross the end of the file)."""
+    common = ["--config", CONFIG, "--data-path", rollouts, "--batch-size", "3", "--steps", "5",
+              "--lr", "0.01"]
+    assert main([*common, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                 "--log-jsonl", str(tmp_path / "full.jsonl")]) == 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "iter_0000002", "iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert main([*common, "--load", str(tmp_path / "ckpt" / "iter_0000002"),
+                 "--log-jsonl", str(tmp_path / "resumed.jsonl")]) == 0
+    full, resumed = records(tmp_path / "full.jsonl"), records(tmp_path / "resumed.jsonl")
+    assert exact(resumed) == exact(full[2:])
+    assert len({r["loss"] for r in full}) == 5  # the model moves: equality is not trivial
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("parallel", [["--pp", "2", "--vpp", "2"], ["--cp", "2"]], ids=["pp2-vpp2", "cp2"])
+def test_resume_with_model_parallel(tmp_path, parallel):
+    """The README's PP=2 x VPP=2 command (and CP=2) with checkpoints every 2 steps, resumed from the latest."""
+    common = ["--config", "configs/tiny_qwen3_4layers.yaml", *parallel, "--steps", "4",
+              "--no-progress", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    run_torchrun(LAUNCHER, 2, [*common, "--log-jsonl", str(tmp_path / "full.jsonl")], timeout=600)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    run_torchrun(LAUNCHER, 2, [*common, "--load", str(tmp_path / "ckpt"), "--log-jsonl",
+                               str(tmp_path / "resumed.jsonl")], timeout=600)
+    full, resumed = records(tmp_path / "full.jsonl"), records(tmp_path / "resumed.jsonl")
+    assert exact(resumed) == exact(full[2:])
+
+
+def test_export_hf_loads_in_transformers_and_training_continues_from_it(tmp_path):
+    """A run of 3 steps equals 2 steps, export, then 1 step from the export (same batch every step:
+    the third step's loss is computed by the weights the export holds)."""
+    from transformers import AutoModelForCausalLM
+
+    base = ["--config", CONFIG, "--lr", "0.01"]
+    assert main([*base, "--steps", "3", "--log-jsonl", str(tmp_path / "three.jsonl")]) == 0
+    assert main([*base, "--steps", "2", "--export-hf", str(tmp_path / "hf")]) == 0
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert main(["--config", CONFIG, "--hf-path", str(tmp_path / "hf"), "--steps", "1",
+                 "--log-jsonl", str(tmp_path / "one.jsonl")]) == 0
+    three, one = records(tmp_path / "three.jsonl"), records(tmp_path / "one.jsonl")
+    assert one[0]["loss"] == pytest.approx(three[2]["loss"], rel=1e-6)
+    assert three[2]["loss"] < three[0]["loss"] - 0.5
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["--config", CONFIG, "--steps", "1", "--save", str(tmp_path)]) == 0
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3_4layers.yaml"), "--load", str(tmp_path),
+                 "--steps", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "iter_0000001: the checkpoint does not fit this model (Global shape mismatch" in err, err
+
+
+def test_resuming_with_the_other_kind_of_data_is_refused_in_one_line(tmp_path, rollouts, capsys):
+    """A checkpoint's data position belongs to its source: a file's (epoch, row, offset) means nothing to the
+    synthetic source and the other way round; both directions are refused, naming both sources."""
+    first, resume = ["--config", CONFIG, "--steps", "1"], ["--config", CONFIG, "--steps", "2"]
+    assert main([*first, "--save", str(tmp_path / "synthetic")]) == 0
+    assert main([*resume, "--load", str(tmp_path / "synthetic"), "--data-path", rollouts]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"megatron-tree-train: error: --load {tmp_path}/synthetic/iter_0000001: the checkpoint was saved "
+                   f"training on synthetic rollouts (no data.path), but this run trains on rollouts from data.path "
+                   f"{rollouts!r}; drop --data-path (data.path) to resume it, or start a new run without --load"), err
+    assert main([*first, "--data-path", rollouts, "--save", str(tmp_path / "file")]) == 0
+    assert main([*resume, "--load", str(tmp_path / "file")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"megatron-tree-train: error: --load {tmp_path}/file/iter_0000001: the checkpoint was saved "
+                   f"training on rollouts from data.path {rollouts!r}, but this run trains on synthetic rollouts "
+                   f"(no data.path); pass --data-path {rollouts} to resume it, or start a new run without --load"), err
