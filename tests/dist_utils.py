@@ -13,7 +13,9 @@ many GPUs as ranks); the GPU multi-process checks are ``benchmarks/gpu_te_checks
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +37,8 @@ def cpu_env(**extra: str) -> dict[str, str]:
 
 
 def run_torchrun(
-    script: str | os.PathLike, nproc: int, args: Sequence[str] = (), *, timeout: float = 300, tail: int = 6000
+    script: str | os.PathLike, nproc: int, args: Sequence[str] = (), *, timeout: float = 300, tail: int = 6000,
+    check: bool = True,
 ) -> str:
     """Run ``script`` with ``nproc`` processes; return its stdout + stderr (fails the test if it fails).
 
@@ -62,6 +65,47 @@ def run_torchrun(
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         pytest.fail(f"{' '.join(cmd)} ran past {timeout}s; output tail:\n{out[-tail:]}")
     output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}; output tail:\n{output[-tail:]}")
     return output
+
+
+class TorchrunCases:
+    """Cases of test scripts that run together: one ``torchrun`` job per process count
+    (``scripts/run_cases.py``), started when a test first asks for one of them, holding every case of
+    that count whose test is selected in this session. A process start costs ~7 s of CPU in imports.
+
+    ``cases``: ``{case id: (test function name, nproc, script, argv)}``; ``script`` relative to ``tests/``
+    (or absolute), ``argv`` may hold ``{tmp}``, replaced by a directory of the case's own.
+    """
+
+    _CASE = re.compile(r"CASE-BEGIN ([^;\s]+);")  # ranks' lines may run into each other
+
+    def __init__(self, cases: dict[str, tuple[str, int, str, list[str]]], tmp: Path, *, timeout: float = 900):
+        self.cases, self.tmp, self.timeout = cases, tmp, timeout
+        self.outputs: dict[str, str] = {}
+
+    def output(self, request: pytest.FixtureRequest, case: str) -> str:
+        """The output of ``case`` (every rank's lines, from its ``CASE-BEGIN`` on); fails the test unless the
+        case ended with status 0 on every rank."""
+        nproc = self.cases[case][1]
+        if case not in self.outputs:
+            self._run(request, nproc, case)
+        out = self.outputs[case]
+        if out.count(f"CASE-END {case} rc=0;") != nproc:
+            pytest.fail(f"case {case} did not end with status 0 on all {nproc} ranks; its output:\n{out[-6000:]}")
+        return out
+
+    def _run(self, request: pytest.FixtureRequest, nproc: int, asked: str) -> None:
+        selected = {item.originalname for item in request.session.items if hasattr(item, "originalname")}
+        batch = {
+            case: [str(TESTS_DIR / script), *(a.replace("{tmp}", str(self.tmp / case)) for a in argv)]
+            for case, (test, n, script, argv) in self.cases.items()
+            if n == nproc and case not in self.outputs and (test in selected or case == asked)
+        }
+        out = run_torchrun("scripts/run_cases.py", nproc, [json.dumps(batch)], timeout=self.timeout, check=False)
+        marks = [(m.start(), m.group(1)) for m in self._CASE.finditer(out)]
+        for case in batch:
+            starts = [i for i, c in marks if c == case]
+            later = [i for i, c in marks if starts and i > starts[-1] and c != case]
+            self.outputs[case] = out[starts[0]:later[0] if later else len(out)] if starts else out

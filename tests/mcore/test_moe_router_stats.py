@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_torchrun
+from dist_utils import TorchrunCases
 from hypothesis import given, settings
 from scripts.router_stats_parity import CASES, TOL, batch, build, compare, run_case, tree_step
 
@@ -81,16 +81,28 @@ def test_tree_step_equals_flat_step_with_full_recompute(moe_checkpoint):
     assert max(r["tree"].values()) < TOL and r["unweighted"]["grad"] > 0.1, r
 
 
-@pytest.mark.parametrize(
-    "args, cases",
-    [(["--ep", "2"], list(CASES)), (["--pp", "2", "--recompute", "full", "--cases", "all"], ["all"])],
-    ids=["ep2", "pp2-recompute-full"],
-)
+DISTRIBUTED = {
+    "ep2": (["--ep", "2"], list(CASES)),
+    "pp2-recompute-full": (["--pp", "2", "--recompute", "full", "--cases", "all"], ["all"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The cases of scripts/router_stats_parity.py in one torchrun job (dist_utils.TorchrunCases)."""
+    cases = {case: ("test_tree_step_equals_flat_step_distributed", 2, "scripts/router_stats_parity.py",
+                    ["--ckpt", "{tmp}", *args]) for case, (args, _) in DISTRIBUTED.items()}
+    return TorchrunCases(cases, tmp_path_factory.mktemp("router_stats"))
+
+
+@pytest.mark.parametrize("case", DISTRIBUTED)
 @pytest.mark.multiprocess
-def test_tree_step_equals_flat_step_distributed(tmp_path, args, cases):
-    out = run_torchrun("scripts/router_stats_parity.py", 2, ["--ckpt", str(tmp_path), *args], timeout=300)
+def test_tree_step_equals_flat_step_distributed(runs, request, case):
+    out = runs.output(request, case)
+    cases = DISTRIBUTED[case][1]
     # One "ROUTERSTATS rank=R case=C key=value ..." record per rank and case (lines may be glued).
-    rows = [dict(re.findall(r"(\w+)=(\S+)", part)) for part in out.split("ROUTERSTATS")[1:]]
+    rows = [dict(re.findall(r"(\w+)=([^\s;]+)", part)) for part in out.split("ROUTERSTATS")[1:]]
+    rows = [r for r in rows if "rank" in r and "case" in r]
     assert sorted((int(r["rank"]), r["case"]) for r in rows) == sorted((r, c) for r in range(2) for c in cases), out[-3000:]
     for r in rows:
         assert max(float(v) for k, v in r.items() if k.startswith("tree_")) < TOL, r

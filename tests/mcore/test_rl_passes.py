@@ -7,20 +7,31 @@ import re
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import TorchrunCases
 
 ROW = re.compile(r"RLPASSES rank=(\d+) (.*?) tree_tokens=")
 
 
-@pytest.mark.parametrize(
-    "args",
-    [["--tp", "2", "--recompute", "full"], ["--pp", "2", "--vpp", "2"], ["--ep", "2", "--arch", "qwen3_moe"],
-     ["--cp", "2", "--recompute", "selective"]],
-    ids=["tp2-recompute-full", "pp2-vpp2", "dp2-unequal-trees-ep2-moe", "cp2-recompute-selective"],
-)
+CASES = {
+    "tp2-recompute-full": ["--tp", "2", "--recompute", "full"],
+    "pp2-vpp2": ["--pp", "2", "--vpp", "2"],
+    "dp2-unequal-trees-ep2-moe": ["--ep", "2", "--arch", "qwen3_moe"],
+    "cp2-recompute-selective": ["--cp", "2", "--recompute", "selective"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The cases of scripts/rl_passes_parity.py in one torchrun job (dist_utils.TorchrunCases)."""
+    cases = {case: ("test_rl_passes_equal_per_sequence", 2, "scripts/rl_passes_parity.py", ["--ckpt", "{tmp}", *args])
+             for case, args in CASES.items()}
+    return TorchrunCases(cases, tmp_path_factory.mktemp("rl_passes"))
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.multiprocess
-def test_rl_passes_equal_per_sequence(tmp_path, args):
-    out = run_torchrun("scripts/rl_passes_parity.py", 2, ["--ckpt", str(tmp_path), *args], timeout=600)
+def test_rl_passes_equal_per_sequence(runs, request, case):
+    out = runs.output(request, case)
     rows = ROW.findall(out)
     assert len(rows) == 2, out[-3000:]
     for _, fields in rows:

@@ -5,69 +5,74 @@ import re
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import TorchrunCases
 
 PARITY = re.compile(r"PARITY rank=(\d+) tree_mbs=(\d+) .*? loss_rel=(\S+) grad_rel=(\S+)")
 
 
-@pytest.mark.parametrize(
-    "nproc, args",
-    [
-        (2, ["--tp", "2"]),
-        (2, ["--pp", "2"]),
-        (2, ["--pp", "2", "--vpp", "2"]),
-        (2, []),  # DP = 2 with unequal numbers of trees per rank
-        (2, ["--ep", "2", "--arch", "qwen3_moe"]),
-        (1, ["--recompute", "full"]),
-        (4, ["--tp", "2", "--pp", "2"]),
-        (4, ["--ep", "2", "--pp", "2", "--arch", "qwen3_moe"]),
-        (2, ["--cp", "2", "--recompute", "full"]),
-        (2, ["--cp", "2", "--ep", "2", "--arch", "qwen3_moe"]),
-        (4, ["--cp", "2", "--tp", "2"]),
-        (4, ["--cp", "2", "--pp", "2", "--vpp", "2"]),
-        (4, ["--cp", "2"]),
-    ],
-    ids=["tp2", "pp2", "pp2-vpp2", "dp2", "ep2-moe", "recompute-full", "tp2xpp2", "ep2xpp2-moe",
-         "cp2-recompute-full", "cp2-ep2-moe", "cp2xtp2", "cp2xpp2-vpp2", "cp2xdp2"],
-)
+PARITY_CASES = {
+    "tp2": (2, ["--tp", "2"]),
+    "pp2": (2, ["--pp", "2"]),
+    "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),
+    "dp2": (2, []),  # DP = 2 with unequal numbers of trees per rank
+    "ep2-moe": (2, ["--ep", "2", "--arch", "qwen3_moe"]),
+    "recompute-full": (1, ["--recompute", "full"]),
+    "tp2xpp2": (4, ["--tp", "2", "--pp", "2"]),
+    "ep2xpp2-moe": (4, ["--ep", "2", "--pp", "2", "--arch", "qwen3_moe"]),
+    "cp2-recompute-full": (2, ["--cp", "2", "--recompute", "full"]),
+    "cp2-ep2-moe": (2, ["--cp", "2", "--ep", "2", "--arch", "qwen3_moe"]),
+    "cp2xtp2": (4, ["--cp", "2", "--tp", "2"]),
+    "cp2xpp2-vpp2": (4, ["--cp", "2", "--pp", "2", "--vpp", "2"]),
+    "cp2xdp2": (4, ["--cp", "2"]),
+}
+ERROR_CASES = {
+    "vpp": (2, ["--pp", "2", "--vpp", "2"], "OK all checks"),
+    "dp2": (2, [], "OK all checks"),
+    "ep2-moe": (2, ["--ep", "2"], "OK raised: ranks hold between 1 and 6"),
+    "cp2": (2, ["--cp", "2"], "OK raised: tree MoE router statistics"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's script runs, one torchrun job per process count (dist_utils.TorchrunCases)."""
+    parity, errors = "scripts/schedule_parity.py", "scripts/schedule_errors.py"
+    cases = {case: ("test_tree_step_equals_flat_step", n, parity, ["--ckpt", "{tmp}", *args])
+             for case, (n, args) in PARITY_CASES.items()}
+    dump = ["--ckpt", "{tmp}", "--dump", "{tmp}/grads.pt"]
+    cases["cp-one-rank"] = ("test_context_parallel_step_equals_one_rank", 1, parity, dump)
+    cases["cp-two-ranks"] = ("test_context_parallel_step_equals_one_rank", 2, parity, [*dump, "--cp", "2"])
+    cases |= {f"errors-{case}": ("test_schedule_rejects_bad_input", n, errors, ["--ckpt", "{tmp}", *args])
+              for case, (n, args, _) in ERROR_CASES.items()}
+    return TorchrunCases(cases, tmp_path_factory.mktemp("schedule"))
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
 @pytest.mark.multiprocess
-def test_tree_step_equals_flat_step(tmp_path, nproc, args):
-    out = run_torchrun("scripts/schedule_parity.py", nproc, ["--ckpt", str(tmp_path), *args], timeout=600)
+def test_tree_step_equals_flat_step(runs, request, case):
+    out = runs.output(request, case)
     rows = PARITY.findall(out)
-    assert len(rows) == nproc, out[-3000:]
+    assert len(rows) == PARITY_CASES[case][0], out[-3000:]
     for _, _, loss_rel, grad_rel in rows:
         assert float(loss_rel) < 1e-5 and float(grad_rel) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "nproc, args, last",
-    [
-        (2, ["--pp", "2", "--vpp", "2"], "OK all checks"),
-        (2, [], "OK all checks"),
-        (2, ["--ep", "2"], "OK raised: ranks hold between 1 and 6"),
-        (2, ["--cp", "2"], "OK raised: tree MoE router statistics"),
-    ],
-    ids=["vpp", "dp2", "ep2-moe", "cp2"],
-)
+@pytest.mark.parametrize("case", ERROR_CASES)
 @pytest.mark.multiprocess
-def test_schedule_rejects_bad_input(tmp_path, nproc, args, last):
-    out = run_torchrun("scripts/schedule_errors.py", nproc, ["--ckpt", str(tmp_path), *args], timeout=600)
-    assert last in out, out[-3000:]
+def test_schedule_rejects_bad_input(runs, request, case):
+    out = runs.output(request, f"errors-{case}")
+    assert ERROR_CASES[case][2] in out, out[-3000:]
 
 
 @pytest.mark.multiprocess
-def test_context_parallel_step_equals_one_rank(tmp_path):
+def test_context_parallel_step_equals_one_rank(runs, request):
     """CP=2 (each micro-batch's slots split over two ranks) gives the CP=1 step's loss and gradients."""
-    dumps = {}
-    for nproc, args in ((1, []), (2, ["--cp", "2"])):
-        dumps[nproc] = tmp_path / f"grads_{nproc}.pt"
-        out = run_torchrun("scripts/schedule_parity.py", nproc,
-                           ["--ckpt", str(tmp_path / "ckpt"), "--dump", str(dumps[nproc]), *args], timeout=600)
-        assert len(PARITY.findall(out)) == nproc, out[-3000:]
-    if nproc == 2:
-        assert "cp_ranks_equal_grads=True" in out and "cp_ranks_equal_grads=False" not in out
     import torch
 
-    one, two = (torch.load(dumps[n]) for n in (1, 2))
+    outs = {n: runs.output(request, case) for n, case in ((1, "cp-one-rank"), (2, "cp-two-ranks"))}
+    for n, out in outs.items():
+        assert len(PARITY.findall(out)) == n, out[-3000:]
+    assert "cp_ranks_equal_grads=True" in outs[2] and "cp_ranks_equal_grads=False" not in outs[2]
+    one, two = (torch.load(runs.tmp / case / "grads.pt") for case in ("cp-one-rank", "cp-two-ranks"))
     assert abs(one["loss"] - two["loss"]) <= 1e-6 * abs(one["loss"])
     assert float((one["grads"] - two["grads"]).abs().max() / one["grads"].abs().max()) < 1e-5

@@ -12,9 +12,11 @@ is wrong.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from dist_utils import run_torchrun
+from dist_utils import TorchrunCases
 from scripts.parity_common import (
     branching_forest,
     build_model,
@@ -138,11 +140,21 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest,
 
 # EP=2 checks log-probs only: expert-parallel backward needs CUDA buffers the CPU shim cannot
 # map inside backward (see tests/scripts/parity_dist.py).
+DIST_CASES = ["tp2:qwen3:full", "ep2:qwen3_moe:forward"]
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    """scripts/parity_dist.py's cases in one torchrun job (dist_utils.TorchrunCases)."""
+    cases = {case: ("test_tensor_and_expert_parallel", 2, "scripts/parity_dist.py", ["{tmp}", case]) for case in DIST_CASES}
+    return TorchrunCases(cases, tmp_path_factory.mktemp("parity_dist"))
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["tp2:qwen3:full", "ep2:qwen3_moe:forward"])
-def test_tensor_and_expert_parallel(case, tmp_path):
-    out = run_torchrun("scripts/parity_dist.py", 2, [str(tmp_path), case])
-    print(next(line for line in out.splitlines() if line.startswith(case)))
+@pytest.mark.parametrize("case", DIST_CASES)
+def test_tensor_and_expert_parallel(dist_runs, request, case):
+    out = dist_runs.output(request, case)  # the script exits non-zero on a mismatch
+    print(re.search(rf"{re.escape(case)} logprob=\S+ grad=\S+", out).group(0))
 
 
 def test_patch_leaves_nothing_behind(checkpoints):

@@ -204,6 +204,7 @@ def test_verify_at_tp2_and_pp2(tmp_path):
         assert float(grad_error) <= float(grad_tolerance) < 2e-5
 
 
+@pytest.mark.slow
 def test_launcher_flag_logs_the_error():
     proc = subprocess.run(
         [sys.executable, "examples/train_tree.py", "--steps", "1", "--no-progress", "--verify-tree-model"],

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_utils import REPO_ROOT, cpu_env, run_torchrun
+from dist_utils import REPO_ROOT, TorchrunCases, cpu_env
 from examples.make_rollouts import make_rollouts, write_rollouts
 from megatron_tree.train.__main__ import FLAGS, build_parser, main
 from megatron_tree.train.config import RunConfig
@@ -24,6 +24,7 @@ def records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_launcher_trains_and_loss_goes_down(tmp_path):
     out = tmp_path / "run.jsonl"
     subprocess.run(
@@ -38,12 +39,35 @@ def test_launcher_trains_and_loss_goes_down(tmp_path):
     assert 0 < recs[0]["tree_token_ratio"] < 0.8  # GRPO batch: prefixes are shared
 
 
+CP_ARGS = ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--batch-size", "2", "--no-progress"]
+FOUR = {"tp2xpp2": ("tiny_qwen3.yaml", ["--tp", "2", "--pp", "2"]),
+        "ep2xpp2-moe": ("tiny_qwen3_moe.yaml", ["--ep", "2", "--pp", "2"])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's multi-process launcher runs, one torchrun job per process count (dist_utils.TorchrunCases)."""
+    launcher = str(LAUNCHER)
+    cases = {"dp2": ("test_launcher_dp2_balances_ranks", 2, launcher,
+                     ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--no-progress", "--log-jsonl", "{tmp}.jsonl"])}
+    for loss in ("grpo", "ppo"):
+        for n in (1, 2):
+            cases[f"cp{n}-{loss}"] = ("test_launcher_context_parallel_equals_one_rank", n, launcher,
+                                      [*CP_ARGS, "--loss", loss, "--log-jsonl", "{tmp}.jsonl", *(["--cp", "2"] if n == 2 else [])])
+    for case, (config, args) in FOUR.items():
+        cases[case] = ("test_launcher_four_processes", 4, launcher,
+                       ["--config", f"configs/{config}", "--steps", "2", "--no-progress", "--log-jsonl", "{tmp}.jsonl", *args])
+    return TorchrunCases(cases, tmp_path_factory.mktemp("launcher"))
+
+
+def _records_of(runs, request, case):
+    runs.output(request, case)
+    return records(runs.tmp / f"{case}.jsonl")
+
+
 @pytest.mark.multiprocess
-def test_launcher_dp2_balances_ranks(tmp_path):
-    out = tmp_path / "run.jsonl"
-    run_torchrun(LAUNCHER, 2, ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--no-progress",
-                               "--log-jsonl", str(out)], timeout=600)
-    for rec in records(out):
+def test_launcher_dp2_balances_ranks(runs, request):
+    for rec in _records_of(runs, request, "dp2"):
         a, b = rec["dp_micro_batches"]
         assert a == b, rec
         assert rec["dp_tree_token_imbalance"] < 1.2, rec
@@ -51,31 +75,21 @@ def test_launcher_dp2_balances_ranks(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("loss", ["grpo", "ppo"])
-def test_launcher_context_parallel_equals_one_rank(tmp_path, loss):
+def test_launcher_context_parallel_equals_one_rank(runs, request, loss):
     """--cp 2 (each micro-batch's slots over two ranks) logs the one-process run's losses and grad norms."""
-    args = ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--batch-size", "2", "--loss", loss, "--no-progress"]
-    one, two = tmp_path / "cp1.jsonl", tmp_path / "cp2.jsonl"
-    run_torchrun(LAUNCHER, 1, [*args, "--log-jsonl", str(one)], timeout=600)
-    run_torchrun(LAUNCHER, 2, [*args, "--cp", "2", "--log-jsonl", str(two)], timeout=600)
+    one, two = (_records_of(runs, request, f"cp{n}-{loss}") for n in (1, 2))
     keys = ["loss", "loss_tokens", "grad_norm", "tree_tokens"] + (["critic_loss", "critic_grad_norm"] if loss == "ppo" else [])
-    for a, b in zip(records(one), records(two), strict=True):
+    for a, b in zip(one, two, strict=True):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
         assert "cp_pair_imbalance" not in a and b["cp_pair_imbalance"] < 1.1 and len(b["cp_rank_pairs"]) == 2
 
 
-@pytest.mark.parametrize(
-    "config, args",
-    [("tiny_qwen3.yaml", ["--tp", "2", "--pp", "2"]), ("tiny_qwen3_moe.yaml", ["--ep", "2", "--pp", "2"])],
-    ids=["tp2xpp2", "ep2xpp2-moe"],
-)
+@pytest.mark.parametrize("case", FOUR)
 @pytest.mark.multiprocess
-def test_launcher_four_processes(tmp_path, config, args):
+def test_launcher_four_processes(runs, request, case):
     """The four-GPU job's code path (TP x PP, EP x PP MoE), scaled down to 4 gloo processes."""
-    out = tmp_path / "run.jsonl"
-    run_torchrun(LAUNCHER, 4, ["--config", f"configs/{config}", "--steps", "2", "--no-progress",
-                               "--log-jsonl", str(out), *args], timeout=600)
-    recs = records(out)
+    recs = _records_of(runs, request, case)
     assert len(recs) == 2 and all(np.isfinite(r["loss"]) for r in recs)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dist_utils import REPO_ROOT, run_torchrun
+from dist_utils import REPO_ROOT, TorchrunCases
 from examples.make_rollouts import make_rollouts, write_rollouts
 from megatron_tree.train.__main__ import main
 
@@ -44,17 +44,32 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, rollouts):
     assert len({r["loss"] for r in full}) == 5  # the model moves: equality is not trivial
 
 
+PARALLEL = {"pp2-vpp2": ["--pp", "2", "--vpp", "2"], "cp2": ["--cp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per layout, in one torchrun job (dist_utils.TorchrunCases): 4 steps uninterrupted; 2 steps saved; the
+    same run resumed from that directory's latest checkpoint up to step 4."""
+    tmp = tmp_path_factory.mktemp("resume")
+    cases = {}
+    for layout, parallel in PARALLEL.items():
+        common = ["--config", "configs/tiny_qwen3_4layers.yaml", *parallel, "--no-progress", "--save-interval", "2"]
+        save = str(tmp / f"{layout}-ckpt")
+        for part, args in (("full", ["--steps", "4", "--save", "{tmp}"]), ("half", ["--steps", "2", "--save", save]),
+                           ("resumed", ["--steps", "4", "--save", save, "--load", save])):
+            cases[f"{layout}-{part}"] = ("test_resume_with_model_parallel", 2, str(LAUNCHER),
+                                         [*common, *args, "--log-jsonl", f"{tmp}/{layout}-{part}.jsonl"])
+    return TorchrunCases(cases, tmp)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("parallel", [["--pp", "2", "--vpp", "2"], ["--cp", "2"]], ids=["pp2-vpp2", "cp2"])
-def test_resume_with_model_parallel(tmp_path, parallel):
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_resume_with_model_parallel(runs, request, layout):
     """The README's PP=2 x VPP=2 command (and CP=2) with checkpoints every 2 steps, resumed from the latest."""
-    common = ["--config", "configs/tiny_qwen3_4layers.yaml", *parallel, "--steps", "4",
-              "--no-progress", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
-    run_torchrun(LAUNCHER, 2, [*common, "--log-jsonl", str(tmp_path / "full.jsonl")], timeout=600)
-    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
-    run_torchrun(LAUNCHER, 2, [*common, "--load", str(tmp_path / "ckpt"), "--log-jsonl",
-                               str(tmp_path / "resumed.jsonl")], timeout=600)
-    full, resumed = records(tmp_path / "full.jsonl"), records(tmp_path / "resumed.jsonl")
+    for part in ("full", "half", "resumed"):
+        runs.output(request, f"{layout}-{part}")
+    full, resumed = (records(runs.tmp / f"{layout}-{part}.jsonl") for part in ("full", "resumed"))
     assert exact(resumed) == exact(full[2:])
 
 
