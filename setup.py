@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="megatron_tree",
-    version="0.1.0",
+    version="0.2.0",
     description="Tree training for Megatron-LM: pack sequences with shared prefixes into prefix trees, "
     "compute every shared token once, return exact per-sequence log-probs and gradients.",
     # megatron_tree/patches is a link to the top-level patches/ folder: installed as megatron_tree.compat only.
