@@ -261,7 +261,8 @@ def _line(row: Row) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the grid, print a line per row, write the rows as JSON. Exit 1 if a routed row FAILs."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_tree.attention.conformance", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_tree.attention.conformance",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file for the rows")
     parser.add_argument("--backends", nargs="+", default=["dense", "flex", "fa4", "auto"])
     parser.add_argument("--head-dims", nargs="+", default=None, metavar="D[/DV]",
@@ -271,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trees", nargs="+", choices=["grpo", "multi_turn", "grpo_query_slots"],
                         default=["grpo", "multi_turn", "grpo_query_slots"])
     parser.add_argument("--modes", nargs="+", choices=["routed", "raw"], default=["routed", "raw"])
-    parser.add_argument("--max-tokens", type=int, default=3000, help="slots of each test tree (about)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="slots of each test tree, about (default: 3000 on a GPU, 300 on the CPU)")
     args = parser.parse_args(argv)
     dims = None
     if args.head_dims:
@@ -280,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     have_transformer_engine()  # TE loads the system cuDNN: import it before SDPA's cuDNN runs
     rows = run_conformance(args.backends, head_dims=dims, gqa_ratios=args.gqa_ratios, dtypes=args.dtypes,
-                           trees=args.trees, modes=args.modes, max_tokens=args.max_tokens,
+                           trees=args.trees, modes=args.modes,
+                           max_tokens=args.max_tokens or (3000 if torch.cuda.is_available() else 300),
                            progress=lambda row: print(_line(row), flush=True))
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     try:

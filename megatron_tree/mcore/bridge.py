@@ -134,6 +134,8 @@ def build_flat_model(
     model (same keywords, ``TransformerConfig`` overrides and weights) but with megatron-core's own attention
     and RoPE: the flat baseline (:func:`~megatron_tree.mcore.schedule.flat_forward_backward` with Transformer
     Engine). Returns ``(bridge, chunks)``."""
+    if "backend" in get_model_kwargs:
+        raise TypeError("build_flat_model builds megatron-core's own attention: backend= is build_tree_model's")
     return _build(hf_path, False, "auto", bf16, recompute, load_weights, value_head, extra_args, get_model_kwargs)
 
 
