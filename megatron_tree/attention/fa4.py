@@ -53,7 +53,6 @@ __all__ = [
     "FA4TreeMask",
     "PROVEN",
     "attend",
-    "check_model",
     "fa4_available",
     "fa4_tree_attention",
     "fa4_tree_mask",
@@ -288,21 +287,6 @@ def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | Non
         return f"the fa4 backend takes one micro-batch (b = 1), got b = {batch}"
     unavailable = fa4_unavailable_reason(None if shape.device.startswith("sm") else torch.device(shape.device))
     return unavailable if unavailable is not None else _unproven_reason(shape)
-
-
-def check_model(shape: AttentionShape, dropout_p: float) -> None:
-    """Raise at model build time (``TreeCoreAttention(backend="fa4")``) what the first forward would: no FA4
-    here, an fp32 model, attention dropout, a head dim / GQA ratio / dtype FA4 is not proven on."""
-    _require(None)
-    if shape.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError("backend='fa4' runs bf16/fp16 models, this one is fp32: build it with bf16=True, "
-                         "or use backend='auto' (FA4 for bf16/fp16, FlexAttention for fp32)")
-    if dropout_p:
-        raise ValueError(f"backend='fa4' has no attention dropout (attention_dropout={dropout_p}); set it to 0 "
-                         f"or use backend='dense'")
-    problem = _unproven(shape)
-    if problem is not None:
-        raise problem
 
 
 def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FA4TreeMask:

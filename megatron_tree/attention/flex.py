@@ -361,6 +361,8 @@ def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | Non
         return f"the flex backend has no attention dropout (attention_dropout={dropout_p})"
     if batch != 1:
         return f"the flex backend takes one micro-batch (b = 1), got b = {batch}"
+    if not shape.device.startswith("sm"):
+        return f"the flex backend runs on CUDA GPUs (FlexAttention has no backward on {shape.device})"
     if kernel_shape(PROVEN, shape) is None:
         return (f"the flex backend is proven exact (forward and backward against the dense reference) {PROVEN.describe()} "
                 f"(smaller head dims and larger GQA ratios run padded / repeated onto those); this call is {shape}")

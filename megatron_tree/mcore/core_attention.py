@@ -16,7 +16,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tree.attention import fa4 as fa4_attention
 from megatron_tree.attention import get_tree_attention_backend, tree_attention
 from megatron_tree.attention.shapes import AttentionShape, device_generation
 
@@ -93,8 +92,14 @@ class TreeCoreAttention(MegatronModule):
             1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        if self.backend == "fa4":
-            fa4_attention.check_model(_model_attention_shape(config), self.dropout_p)
+        if self.backend != "auto":  # a named backend says at build time what its first call would
+            shape = _model_attention_shape(config)
+            reason = get_tree_attention_backend(self.backend).refusal(shape, batch=1, dropout_p=self.dropout_p)
+            if reason is not None:
+                raise ValueError(
+                    f"tree attention backend {self.backend!r} cannot run this model's attention ({shape}): {reason}. "
+                    f"Use backend='auto' (the fastest backend proven on each call) or 'dense'"
+                )
         self.positions_from_ids = False
         # Context parallel: megatron-core hands its groups in pg_collection (else the global state).
         cp_group = getattr(pg_collection, "cp", None)

@@ -222,6 +222,20 @@ def test_refuses_sliding_window_and_non_self_attention():
         )
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where the kernels cannot run")
+@pytest.mark.parametrize("backend", ["flex", "fa4"])
+def test_a_named_backend_refuses_at_build_time_what_it_cannot_run(backend):
+    """A model built with a named backend that cannot compute its attention here is refused when it is built,
+    with the reason, not at the first step; auto and dense build."""
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    with pytest.raises(ValueError, match=f"backend '{backend}' cannot run this model's attention .*Use backend='auto'"):
+        TreeCoreAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.arbitrary,
+                          attention_type="self", backend=backend)
+    for ok in ("auto", "dense"):
+        TreeCoreAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.arbitrary,
+                          attention_type="self", backend=ok)
+
+
 def test_refuses_bad_call_arguments():
     core = make_core(2, 2, 4)
     ends, _ = dfs_layout(FORESTS["branching"])

@@ -60,7 +60,8 @@ def test_backends_refuse_what_they_are_not_proven_on():
     if not fa4_attention.fa4_available():
         assert "cannot run" in fa4_attention.refusal(_shape(128), batch=1, dropout_p=0.0)
     assert attention.get_tree_attention_backend("dense").refusal(_shape(256, 128), batch=3, dropout_p=0.5) is None
-    with pytest.raises(ValueError, match="does not run this call: .*proven exact.*Use backend='auto'"):
+    assert "no backward on cpu" in flex_attention.refusal(_shape(128, ratio=2, device="cpu"), batch=1, dropout_p=0.0)
+    with pytest.raises(ValueError, match="does not run this call: .*Use backend='auto'"):
         attention.tree_attention(*(torch.zeros(4, 1, 2, 8),) * 3, torch.full((1, 4), 4, dtype=torch.int32),
                                  backend="flex")
 
