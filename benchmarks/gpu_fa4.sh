@@ -18,7 +18,7 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # compiled kernels reused acro
 python3 -c "import transformer_engine" 2>/dev/null || bash .te/te-setup.sh 2>&1 | tail -1
 python3 -c "from megatron_tree.attention.fa4 import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
 if [ "${PART:-kernel}" = kernel ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_attention.py 2>&1 \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_fa4_attention.py 2>&1 \
     | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/fa4_tests.txt"
   timeout 400 python3 benchmarks/attention_bench.py --out "$OUT" --tag h200_fa4 --variants --skip-dense --iters 10 \
     --warmup 3 > "$OUT/attention_fa4.log" 2>&1

@@ -24,7 +24,7 @@ run() {  # run NAME CMD...: one check, its output filtered into the log
 want() { [[ " ${CHECKS:-parity step1 bf16 tp2 ep2 tp2ep2 pp2} " == *" $1 "* ]]; }
 tr="torchrun --nproc-per-node"
 want parity && run "tree vs HF / per-sequence grads, TE checkpoints, verify, chain attention; fp32, TF32 off" \
-  env NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -s tests/test_tree_parity.py tests/test_verify.py tests/test_attention.py -k "not tensor_and_expert and not patch_leaves and (parity or gpu or chain or te_checkpoints)"
+  env NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -s tests/mcore/test_tree_parity.py tests/mcore/test_verify.py tests/attention/test_attention.py -k "not tensor_and_expert and not patch_leaves and (parity or gpu or chain or te_checkpoints)"
 want step1 && run "1 GPU step fp32: tree vs flat per-sequence vs TE THD flat" \
   env NVIDIA_TF32_OVERRIDE=0 $tr 1 tests/scripts/schedule_parity.py --ckpt /tmp/ck_s1
 want bf16 && run "1 GPU step bf16 (each against the fp32 flat step)" $tr 1 tests/scripts/schedule_parity.py --ckpt /tmp/ck_b1 --bf16

@@ -16,7 +16,7 @@ Two ways to call a backend, both recorded:
   is not trusted.
 
 ``python -m megatron_tree.attention.conformance --out results.json`` runs the grid on this machine's
-GPU and writes every row (a JSON list) and a table; ``tests/test_attention_conformance.py`` runs
+GPU and writes every row (a JSON list) and a table; ``tests/attention/test_attention_conformance.py`` runs
 the routed rows (and, on CPU, the rule against a backend with a broken backward).
 
 Shape legend: T = slots, Tq = query rows, h / hkv = query / key-value heads, d / dv = q-k / v head dims.

@@ -68,7 +68,7 @@ PROVEN = ProvenShapes.grid(
     head_dims=(64, 96, 128), gqa_ratios=(1, 2), dtypes=(torch.bfloat16,), devices=("sm90",),
     evidence="flash-attn-4 4.0.0b36, H200, torch 2.11: out / dQ / dK / dV on a ragged 14,101-slot branching tree "
     "within dense bf16's own error of the fp32 reference (head dims 72, 80, 104, 112: dQ off by 1.3; 192, 256: "
-    "refused by the kernel); tests/test_fa4_attention.py at 64 MHA and 128 GQA 2:1",
+    "refused by the kernel); tests/attention/test_fa4_attention.py at 64 MHA and 128 GQA 2:1",
 )
 """Where the FA4 kernels of :data:`FA4_VERSION` were proven exact: other head dims up to 128 run zero-padded
 onto these, GQA ratios 4, 8, ... with K/V heads repeated onto ratio 2 (:func:`fit_to_kernel`); fp16,

@@ -29,7 +29,7 @@ or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``k
 ``kv <= p < subtree_end[kv]``.
 
 Imports ``flash_attn.cute`` and the CuTe DSL: imported by :mod:`megatron_tree.attention.fa4` only where
-FA4 runs. Checked on the H200 by ``tests/test_fa4_attention.py`` (against the dense reference; bit for bit
+FA4 runs. Checked on the H200 by ``tests/attention/test_fa4_attention.py`` (against the dense reference; bit for bit
 against FA4's element-wise masking of the same predicate; the GQA backward against FA4's own, and its two
 Triton kernels bit for bit against torch).
 """

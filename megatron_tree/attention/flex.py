@@ -61,13 +61,13 @@ __all__ = [
 
 PROVEN = ProvenShapes.grid(
     head_dims=(64,), gqa_ratios=(1, 4), dtypes=(torch.float32,), devices=("sm90",),
-    evidence="tests/test_flex_attention.py::test_cuda_fp32_forward_backward_match_dense (H200, torch 2.11)",
+    evidence="tests/attention/test_flex_attention.py::test_cuda_fp32_forward_backward_match_dense (H200, torch 2.11)",
 ) | ProvenShapes.grid(
     head_dims=(16,), gqa_ratios=(2,), dtypes=(torch.float32,), devices=("sm90",),
     evidence="the tiny models' tree-vs-per-sequence gradient tests with TE, TF32 off (benchmarks/gpu_te_checks.sh)",
 ) | ProvenShapes.grid(
     head_dims=(128,), gqa_ratios=(2,), dtypes=(torch.bfloat16,), devices=("sm90",),
-    evidence="tests/test_flex_attention.py::test_cuda_bf16_error_within_k_times_dense_bf16_error (H200, torch 2.11)",
+    evidence="tests/attention/test_flex_attention.py::test_cuda_bf16_error_within_k_times_dense_bf16_error (H200, torch 2.11)",
 )
 """Where this backend's FlexAttention kernels were proven exact (forward and backward against the dense
 reference, on a GPU); other calls run zero-padded / with K/V heads repeated onto these

@@ -21,7 +21,7 @@ __all__ = ["PROVEN", "chain_segments", "refusal", "te_chain_attention"]
 
 PROVEN = ProvenShapes.grid(
     head_dims=(64,), gqa_ratios=(4,), dtypes=(torch.bfloat16,), devices=("sm90",),
-    evidence="tests/test_attention.py::test_chain_forest_through_te_matches_dense_bf16 (H200, TE 2.20.2)",
+    evidence="tests/attention/test_attention.py::test_chain_forest_through_te_matches_dense_bf16 (H200, TE 2.20.2)",
 )
 """Where TE's cuDNN varlen kernel was proven exact through this module (forward and backward against the
 dense reference); smaller head dims run zero-padded onto it (:func:`fit_to_kernel`)."""

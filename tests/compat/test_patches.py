@@ -1,5 +1,5 @@
 """megatron_tree.compat (and the feature hooks beside it): each compatibility piece and hook applies, nests and reverts exactly; the local-spec
-weight names round-trip through mbridge (load is covered by tests/test_testing_cpu.py, export here);
+weight names round-trip through mbridge (load is covered by tests/runtime/test_cpu_mode.py, export here);
 what a bridge built inside the block needs stays with it after the block (load, export, save,
 MoE forward and backward with no block open)."""
 

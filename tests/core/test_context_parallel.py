@@ -1,5 +1,5 @@
 """Context-parallel layout, shards and attention pieces (single process; the CP=2 training steps over
-gloo are in tests/test_schedule.py)."""
+gloo are in tests/mcore/test_schedule.py)."""
 
 from __future__ import annotations
 

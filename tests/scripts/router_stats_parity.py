@@ -16,7 +16,7 @@ without multiplicity weighting); it must be far off.
 Runs on CPU (gloo) and on GPUs (NCCL; fp32 exactness there needs NVIDIA_TF32_OVERRIDE=0).
 
 Prints one ``ROUTERSTATS rank=R case=C ...`` line per case and exits non-zero on a mismatch.
-The functions are also used in-process by ``tests/test_moe_router_stats.py``.
+The functions are also used in-process by ``tests/mcore/test_moe_router_stats.py``.
 """
 
 from __future__ import annotations
