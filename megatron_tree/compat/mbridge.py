@@ -9,12 +9,13 @@ needs in this process, empty when the installed versions do not have it; applied
 - :func:`local_layer_spec` -- no Transformer Engine: build megatron-core's local spec.
 - :func:`local_spec_weight_names` -- map the local spec's parameter names to HF names.
 - :func:`qwen_moe_norm_topk_prob` -- follow the HF config's ``norm_topk_prob`` in the router.
+- :func:`qwen2_moe_shared_expert_gate` -- build Qwen2-MoE's sigmoid shared-expert gate.
 - :func:`tied_embedding_mapping_per_bridge` -- a tied-embedding bridge must not rename ``output_layer`` for all others.
 
 The class-level swaps last only while the block is open. What a bridge built inside it needs
 later is stored on that bridge and stays for its whole life: the local-spec weight-name
-mapping (bound on the instance by ``get_model``), a Qwen-MoE bridge's ``_build_config``, and
-the ``rope_theta`` written onto its HF config.
+mapping (bound on the instance by ``get_model``), a Qwen-MoE bridge's ``_build_config``, a
+Qwen2-MoE bridge's ``_build_base_config``, and the ``rope_theta`` written onto its HF config.
 
 The hooks tree training builds on (a spec and a model transform) are feature code:
 :mod:`megatron_tree.mcore.bridge_hooks`. Checked against mbridge 0.15.1.
@@ -240,6 +241,30 @@ def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
     ]
 
 
+def qwen2_moe_shared_expert_gate() -> list[AttrPatch]:
+    """Give a Qwen2-MoE model its shared-expert gate (``sigmoid(x @ shared_expert_gate.weight) * shared_expert(x)``).
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``Qwen2MoEBridge`` maps
+    ``mlp.shared_expert_gate.weight`` onto ``shared_experts.gate_weight`` but its ``_build_config``
+    leaves ``moe_shared_expert_gate`` at megatron-core's default ``False``, so the model has no
+    gate parameter, the checkpoint's gate is silently dropped and the shared expert's output is
+    added ungated (log-probs off by ~1.3 on the tiny model). Wraps ``Qwen2MoEBridge._build_base_config``
+    to pass ``moe_shared_expert_gate=True`` unless mbridge passes it itself (``bridge.set_extra_args``
+    still wins). A bridge built inside the block keeps the wrapped method on the instance.
+    """
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
+
+    original = Qwen2MoEBridge._build_base_config
+
+    @functools.wraps(original)
+    def _build_base_config(self, *args, **kwargs):
+        if "_build_base_config" not in vars(self):
+            self._build_base_config = types.MethodType(_build_base_config, self)
+        return original(self, *args, **{"moe_shared_expert_gate": True, **kwargs})
+
+    return [AttrPatch(Qwen2MoEBridge, "_build_base_config", _build_base_config, "mbridge drops the shared-expert gate")]
+
+
 def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
     """Keep a tied-embedding checkpoint's ``output_layer.weight -> model.embed_tokens.weight`` on its own bridge.
 
@@ -283,5 +308,6 @@ def compat_patches() -> list[AttrPatch]:
         + local_layer_spec()
         + local_spec_weight_names()
         + qwen_moe_norm_topk_prob()
+        + qwen2_moe_shared_expert_gate()
         + tied_embedding_mapping_per_bridge()
     )

@@ -107,7 +107,7 @@ def cpu_transformer_overrides(moe: bool) -> dict[str, Any]:
     gradient-accumulation, persistent layer norm), initialises on CPU, and disables
     sequence parallel (the local, non-TE spec cannot do it). For MoE (``moe=True``) also
     uses the per-expert local MLPs instead of grouped GEMM, the ``allgather`` token
-    dispatcher, and fixed sequence lengths.
+    dispatcher, fixed sequence lengths, and no shared-expert overlap.
     """
     overrides: dict[str, Any] = {
         "use_cpu_initialization": True,
@@ -124,5 +124,7 @@ def cpu_transformer_overrides(moe: bool) -> dict[str, Any]:
             moe_grouped_gemm=False,
             moe_token_dispatcher_type="allgather",
             variable_seq_lengths=False,
+            # megatron-core overlaps the shared expert only with alltoall (mbridge's Qwen2-MoE turns it on).
+            moe_shared_expert_overlap=False,
         )
     return overrides

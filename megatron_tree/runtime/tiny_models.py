@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
 
-TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
+TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe")
 """The architectures :func:`tiny_hf_config` knows."""
 
 
@@ -54,6 +54,18 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 mlp_only_layers=[],
             ),
         ),
+        "qwen2_moe": (  # Qwen2MoeConfig has no head_dim: 64 / 4 heads = 16
+            "Qwen2MoeConfig",
+            dict(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+                norm_topk_prob=False,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            ),
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
@@ -75,7 +87,9 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     """Write a random tiny Hugging Face causal LM (fp32 safetensors + config) to ``path``; return ``path``.
 
     ``arch`` is one of ``"qwen3"`` (qk-norm), ``"qwen2"`` (qkv biases), ``"llama"``,
-    ``"qwen3_moe"`` (4 experts, top-2, normalised top-k probs). Defaults: hidden 64,
+    ``"qwen3_moe"`` (4 experts, top-2, normalised top-k probs), ``"qwen2_moe"`` (4 experts,
+    top-2, unnormalised top-k probs, a shared expert of FFN 32 behind a sigmoid gate, qkv
+    biases). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around 1 and

@@ -43,6 +43,7 @@ PIECES = [
     mbridge_patches.local_layer_spec,
     mbridge_patches.local_spec_weight_names,
     mbridge_patches.qwen_moe_norm_topk_prob,
+    mbridge_patches.qwen2_moe_shared_expert_gate,
     mbridge_patches.tied_embedding_mapping_per_bridge,
     megatron_core_patches.moe_te_general_gemm,
     cpu_rng_state,
@@ -181,6 +182,19 @@ def test_router_follows_norm_topk_prob(tmp_path, cpu_dist):
         assert bridge.config.moe_router_pre_softmax
         bridge.set_extra_args(moe_router_pre_softmax=False)  # an explicit choice wins
         assert not bridge.config.moe_router_pre_softmax
+    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+
+
+def test_qwen2_moe_keeps_its_shared_expert_gate(tmp_path, cpu_dist):
+    path = save_tiny_hf_checkpoint("qwen2_moe", tmp_path)
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        bridge, chunks = build_flat_model(path)
+        assert sum(name.endswith("shared_experts.gate_weight") for name, _ in chunks[0].named_parameters()) == 2
+        with torch.no_grad():
+            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+    bridge.set_extra_args(attention_dropout=0.0)  # rebuilt after the block: the gate stays
+    assert bridge.config.moe_shared_expert_gate
     assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
 
 

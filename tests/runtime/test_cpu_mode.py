@@ -98,6 +98,7 @@ def test_cpu_transformer_overrides():
     dense, moe = cpu_transformer_overrides(moe=False), cpu_transformer_overrides(moe=True)
     assert dense["use_cpu_initialization"] and not dense["masked_softmax_fusion"] and not dense["sequence_parallel"]
     assert moe["moe_token_dispatcher_type"] == "allgather" and moe["moe_grouped_gemm"] is False
+    assert moe["moe_shared_expert_overlap"] is False  # megatron-core allows it with alltoall only
     assert dense.items() <= moe.items() and "moe_grouped_gemm" not in dense
 
 
