@@ -10,11 +10,12 @@ needs in this process, empty when the installed versions do not have it; applied
 - :func:`local_spec_weight_names` -- map the local spec's parameter names to HF names.
 - :func:`qwen_moe_norm_topk_prob` -- follow the HF config's ``norm_topk_prob`` in the router.
 - :func:`qwen2_moe_shared_expert_gate` -- build Qwen2-MoE's sigmoid shared-expert gate.
+- :func:`mixtral_router_renormalise` -- Mixtral's router renormalises the top-k probabilities.
 - :func:`tied_embedding_mapping_per_bridge` -- a tied-embedding bridge must not rename ``output_layer`` for all others.
 
 The class-level swaps last only while the block is open. What a bridge built inside it needs
 later is stored on that bridge and stays for its whole life: the local-spec weight-name
-mapping (bound on the instance by ``get_model``), a Qwen-MoE bridge's ``_build_config``, a
+mapping (bound on the instance by ``get_model``), a Qwen-MoE or Mixtral bridge's ``_build_config``, a
 Qwen2-MoE bridge's ``_build_base_config``, and the ``rope_theta`` written onto its HF config.
 
 The hooks tree training builds on (a spec and a model transform) are feature code:
@@ -265,6 +266,35 @@ def qwen2_moe_shared_expert_gate() -> list[AttrPatch]:
     return [AttrPatch(Qwen2MoEBridge, "_build_base_config", _build_base_config, "mbridge drops the shared-expert gate")]
 
 
+def mixtral_router_renormalise() -> list[AttrPatch]:
+    """Make the Mixtral router renormalise its top-k probabilities, as Hugging Face's ``MixtralTopKRouter`` does.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``MixtralBridge._build_config``
+    hard-codes ``moe_router_pre_softmax=True`` (softmax over all experts, the top-k probabilities
+    taken unnormalised), but HF Mixtral takes softmax over all experts, then top-k, then divides by
+    their sum -- equal to megatron-core's ``moe_router_pre_softmax=False`` (softmax over the top-k
+    logits). Without the fix the expert outputs are scaled by the top-k mass (< 1): log-probs ~0.59
+    off HF on the tiny model (1.4e-6 with it). Wraps ``MixtralBridge._build_config`` to set
+    ``moe_router_pre_softmax=False`` unless the caller set it through ``bridge.set_extra_args``. A
+    bridge built inside the block keeps the wrapped ``_build_config`` on the instance, so a later
+    ``set_extra_args`` keeps the fix.
+    """
+    from mbridge.models.mixtral import MixtralBridge
+
+    original = vars(MixtralBridge)["_build_config"]
+
+    @functools.wraps(original)
+    def _build_config(self):
+        if "_build_config" not in vars(self):
+            self._build_config = types.MethodType(_build_config, self)
+        config = original(self)
+        if "moe_router_pre_softmax" in self.extra_args or not config.moe_router_pre_softmax:
+            return config
+        return dataclasses.replace(config, moe_router_pre_softmax=False)
+
+    return [AttrPatch(MixtralBridge, "_build_config", _build_config, "mbridge leaves Mixtral's top-k unnormalised")]
+
+
 def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
     """Keep a tied-embedding checkpoint's ``output_layer.weight -> model.embed_tokens.weight`` on its own bridge.
 
@@ -309,5 +339,6 @@ def compat_patches() -> list[AttrPatch]:
         + local_spec_weight_names()
         + qwen_moe_norm_topk_prob()
         + qwen2_moe_shared_expert_gate()
+        + mixtral_router_renormalise()
         + tied_embedding_mapping_per_bridge()
     )

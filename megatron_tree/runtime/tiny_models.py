@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
 
-TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe")
+TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral")
 """The architectures :func:`tiny_hf_config` knows."""
 
 
@@ -66,6 +66,17 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 mlp_only_layers=[],
             ),
         ),
+        "mixtral": (  # experts' FFN is intermediate_size; no shared expert, no sliding window
+            "MixtralConfig",
+            dict(
+                head_dim=16,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                intermediate_size=32,
+                sliding_window=None,
+                router_jitter_noise=0.0,
+            ),
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
@@ -89,7 +100,8 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     ``arch`` is one of ``"qwen3"`` (qk-norm), ``"qwen2"`` (qkv biases), ``"llama"``,
     ``"qwen3_moe"`` (4 experts, top-2, normalised top-k probs), ``"qwen2_moe"`` (4 experts,
     top-2, unnormalised top-k probs, a shared expert of FFN 32 behind a sigmoid gate, qkv
-    biases). Defaults: hidden 64,
+    biases), ``"mixtral"`` (4 experts of FFN 32, top-2, renormalised top-k probs, no sliding
+    window). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around 1 and

@@ -44,6 +44,7 @@ PIECES = [
     mbridge_patches.local_spec_weight_names,
     mbridge_patches.qwen_moe_norm_topk_prob,
     mbridge_patches.qwen2_moe_shared_expert_gate,
+    mbridge_patches.mixtral_router_renormalise,
     mbridge_patches.tied_embedding_mapping_per_bridge,
     megatron_core_patches.moe_te_general_gemm,
     cpu_rng_state,
@@ -195,6 +196,23 @@ def test_qwen2_moe_keeps_its_shared_expert_gate(tmp_path, cpu_dist):
             logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
     bridge.set_extra_args(attention_dropout=0.0)  # rebuilt after the block: the gate stays
     assert bridge.config.moe_shared_expert_gate
+    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+
+
+def test_mixtral_router_renormalises_top_k(tmp_path, cpu_dist):
+    """mbridge 0.15.1 builds Mixtral's router with unnormalised top-k probabilities; HF renormalises them."""
+    path = save_tiny_hf_checkpoint("mixtral", tmp_path)
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        bridge, chunks = build_flat_model(path)
+        with torch.no_grad():
+            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        assert not bridge.config.moe_router_pre_softmax
+        bridge.set_extra_args(moe_router_pre_softmax=True)  # an explicit choice wins
+        assert bridge.config.moe_router_pre_softmax
+    bridge.extra_args.pop("moe_router_pre_softmax")
+    bridge.set_extra_args(attention_dropout=0.0)  # rebuilt after the block: the fix stays
+    assert not bridge.config.moe_router_pre_softmax
     assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
 
 

@@ -107,7 +107,8 @@ def test_tree_model_needs_position_ids(checkpoints, forest):
 
 
 GRAD_CASES = [("qwen3", "none"), ("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective"),
-              ("qwen3_moe", "full"), ("qwen2_moe", "none"), ("qwen2_moe", "full")]
+              ("qwen3_moe", "full"), ("qwen2_moe", "none"), ("qwen2_moe", "full"),
+              ("mixtral", "none"), ("mixtral", "full")]
 
 
 @pytest.mark.parametrize("arch,recompute", GRAD_CASES)
