@@ -26,8 +26,8 @@ backend, registered here by name (:func:`register_tree_attention_backend` adds m
 
 No kernel is trusted beyond the shapes whose gradients a GPU test compared: each backend module
 has a ``PROVEN`` table (:class:`~megatron_tree.attention.shapes.ProvenShapes`: head dim, v head
-dim, GQA ratio, dtype, GPU generation; FA4 also its pinned version) and runs a call on the proven
-kernel shape that fits it (head dims zero-padded, K/V heads repeated) or not at all. ``auto``
+dim, GQA ratio, dtype, GPU generation; FA4 also its pinned version) and runs a call only on a
+shape it holds. ``auto``
 warns once per shape when it passes over an installed fast kernel for that reason;
 :mod:`megatron_tree.attention.conformance` is the GPU check that proves a backend on more shapes.
 

@@ -22,8 +22,7 @@ bf16 only (the kernels have no fp32 path; fp16 is unproven): fp32 / fp16 runs ta
 
 Trusted only where a GPU test compared its gradients (:data:`PROVEN`: bf16 on Hopper, head dims 64 / 96 /
 128, MHA and GQA 2:1, flash-attn-4 4.0.0b36; 4.0.0b36 returns a wrong dQ at head dims 72 - 112 and
-refuses 192 / 256). Other head dims up to 128 run zero-padded onto a proven one, larger GQA ratios
-with K/V heads repeated onto ratio 2; anything else is refused.
+refuses 192 / 256). Every other call is refused (``auto`` sends it to a backend proven there).
 
 As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend` /
 :func:`refusal` (b = 1, no attention dropout, the shapes above); ``"auto"`` picks it for the calls
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, fit_to_kernel, kernel_shape
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 from megatron_tree.attention.flex import (
     _check_qkv,
     _check_subtree_end,
@@ -70,9 +69,8 @@ PROVEN = ProvenShapes.grid(
     "within dense bf16's own error of the fp32 reference (head dims 72, 80, 104, 112: dQ off by 1.3; 192, 256: "
     "refused by the kernel); tests/attention/test_fa4_attention.py at 64 MHA and 128 GQA 2:1",
 )
-"""Where the FA4 kernels of :data:`FA4_VERSION` were proven exact: other head dims up to 128 run zero-padded
-onto these, GQA ratios 4, 8, ... with K/V heads repeated onto ratio 2 (:func:`fit_to_kernel`); fp16,
-head dims above 128, a v head dim of its own (MLA) and other GPU generations are refused."""
+"""Where the FA4 kernels of :data:`FA4_VERSION` were proven exact; every other call (other head dims, GQA
+ratios above 2, fp16, a v head dim of its own as in MLA, other GPU generations) is refused."""
 
 BLOCK = 128
 """Sparse block size, query and key, forward and backward: the Hopper forward tile, and two of the
@@ -223,10 +221,8 @@ def fa4_tree_attention(
     """Tree attention by FlashAttention-4's block-sparse kernels, on the shapes they are proven on. Differentiable.
 
     query [1, h, Tq, d], key [1, hkv, T, d], value [1, hkv, T, dv] (bf16, CUDA, h % hkv == 0), ``mask`` from
-    :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, dv]. The call runs on
-    the proven kernel shape :data:`PROVEN` fits it to (head dims zero-padded, K/V heads repeated:
-    :func:`~megatron_tree.attention.shapes.kernel_shape`); a call no proven kernel computes is refused
-    (``ValueError``, with what to use).
+    :func:`fa4_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, dv]. A call whose
+    shape :data:`PROVEN` does not hold is refused (``ValueError``, with what to use).
     """
     _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
     problem = _refusal(query, key, value)
@@ -234,10 +230,7 @@ def fa4_tree_attention(
         raise problem
     if mask.aux[0].device != query.device:
         raise ValueError(f"the FA4 tree mask is on {mask.aux[0].device} but query is on {query.device}")
-    scale = query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    kernel = kernel_shape(PROVEN, AttentionShape.of(query, key, value))
-    out = _flash(*fit_to_kernel(query, key, value, kernel), mask, scale)
-    return out[..., : value.shape[-1]] if kernel[1] != value.shape[-1] else out
+    return _flash(query, key, value, mask, query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
 
 
 def _refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0) -> Exception | None:
@@ -262,11 +255,11 @@ def _refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropou
 
 def _unproven_reason(shape: AttentionShape) -> str | None:
     """What FA4 is proven on, unless a proven kernel shape computes ``shape``."""
-    if kernel_shape(PROVEN, shape) is not None:
+    if PROVEN.proves(shape):
         return None
     return (
-        f"flash-attn-4 {FA4_VERSION} is proven exact (forward and backward against the dense reference) {PROVEN.describe()} "
-        f"(smaller head dims and larger GQA ratios run padded / repeated onto those); this call is {shape}"
+        f"flash-attn-4 {FA4_VERSION} is proven exact (forward and backward against the dense reference) {PROVEN.describe()}; "
+        f"this call is {shape}"
     )
 
 

@@ -43,7 +43,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, fit_to_kernel, kernel_shape
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 
 __all__ = [
     "PROVEN",
@@ -70,8 +70,7 @@ PROVEN = ProvenShapes.grid(
     evidence="tests/attention/test_flex_attention.py::test_cuda_bf16_error_within_k_times_dense_bf16_error (H200, torch 2.11)",
 )
 """Where this backend's FlexAttention kernels were proven exact (forward and backward against the dense
-reference, on a GPU); other calls run zero-padded / with K/V heads repeated onto these
-(:func:`~megatron_tree.attention.shapes.kernel_shape`) or go elsewhere (``auto``) / are refused."""
+reference, on a GPU); other calls go elsewhere (``auto``) or are refused."""
 
 RECOMPILE_LIMIT = 64
 """Compiled graphs allowed for the module-level compiled FlexAttention (Dynamo's default is 8)."""
@@ -363,18 +362,16 @@ def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | Non
         return f"the flex backend takes one micro-batch (b = 1), got b = {batch}"
     if not shape.device.startswith("sm"):
         return f"the flex backend runs on CUDA GPUs (FlexAttention has no backward on {shape.device})"
-    if kernel_shape(PROVEN, shape) is None:
-        return (f"the flex backend is proven exact (forward and backward against the dense reference) {PROVEN.describe()} "
-                f"(smaller head dims and larger GQA ratios run padded / repeated onto those); this call is {shape}")
+    if not PROVEN.proves(shape):
+        return (f"the flex backend is proven exact (forward and backward against the dense reference) {PROVEN.describe()}; "
+                f"this call is {shape}")
     return None
 
 
 def attend(query, key, value, prepared, *, scale, dropout_p):
     """Backend ``attend``: query ``[1, np, Tq, hn]``, key ``[1, ng, T, hn]``, value ``[1, ng, T, dv]`` -> ``[1, np, Tq, dv]``,
-    on the proven kernel shape that fits the call (:data:`PROVEN`)."""
+    on the shapes of :data:`PROVEN` only."""
     problem = refusal(AttentionShape.of(query, key, value), batch=query.shape[0], dropout_p=dropout_p)
     if problem is not None:
         raise ValueError(f"{problem}; use backend='auto' (it picks a backend proven on this call) or 'dense'")
-    kernel = kernel_shape(PROVEN, AttentionShape.of(query, key, value))
-    out = flex_tree_attention(*fit_to_kernel(query, key, value, kernel), prepared, softmax_scale=scale)
-    return out[..., : value.shape[-1]] if kernel[1] != value.shape[-1] else out
+    return flex_tree_attention(query, key, value, prepared, softmax_scale=scale)

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["AttentionShape", "ProvenShapes", "device_generation", "fit_to_kernel", "kernel_shape"]
+__all__ = ["AttentionShape", "ProvenShapes", "device_generation"]
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -96,12 +96,6 @@ class ProvenShapes:
             (shape.head_dim, shape.v_head_dim, shape.gqa_ratio, shape.dtype) in self.shapes
         )
 
-    def head_dims(self, shape: AttentionShape) -> list[int]:
-        """The proven head dims (v head dim equal) for ``shape``'s GQA ratio, dtype and device, ascending."""
-        if shape.device not in self.devices:
-            return []
-        return sorted(d for d, dv, r, t in self.shapes if d == dv and r == shape.gqa_ratio and t == shape.dtype)
-
     def describe(self) -> str:
         """One line per (GQA ratio, dtype): the proven head dims, and the devices."""
         rows: dict[tuple[int, str], list[str]] = {}
@@ -110,38 +104,3 @@ class ProvenShapes:
         lines = [f"{'MHA' if r == 1 else f'GQA {r}:1'} {t}: head dims {', '.join(ds)}" for (r, t), ds in rows.items()]
         return f"on {', '.join(sorted(self.devices))}: " + "; ".join(lines)
 
-
-def kernel_shape(proven: ProvenShapes, shape: AttentionShape) -> tuple[int, int, int] | None:
-    """The proven kernel shape ``(head_dim, v_head_dim, gqa_ratio)`` that computes ``shape`` exactly, or None.
-
-    A call runs on a proven kernel of head dims ``d' >= d``, ``dv' >= dv`` and GQA ratio ``r'`` dividing
-    the call's ``r``: q / k are zero-padded to ``d'`` (zeros add nothing to ``q . k``, and the padded
-    columns of dQ / dK are dropped), v to ``dv'`` (its zero columns give zero output columns, dropped),
-    and each key/value head is repeated ``r / r'`` times (autograd sums dK / dV over the copies). Of
-    the candidates the least padding wins, then the fewest copies.
-    """
-    if shape.device not in proven.devices:
-        return None
-    fits = [
-        (d, dv, r) for d, dv, r, t in proven.shapes
-        if t == shape.dtype and d >= shape.head_dim and dv >= shape.v_head_dim and shape.gqa_ratio % r == 0
-    ]
-    return min(fits, key=lambda f: (f[0] + f[1], -f[2]), default=None)
-
-
-def fit_to_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  kernel: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """query ``[b, np, Tq, d]``, key ``[b, ng, T, d]``, value ``[b, ng, T, dv]`` as the :func:`kernel_shape`
-    ``kernel`` takes them: ``[b, np, Tq, d']``, ``[b, np / r', T, d']``, ``[b, np / r', T, dv']`` (the
-    same tensors where nothing changes). Slice the output's last dim back to ``dv``; pass the softmax
-    scale of the true head dim."""
-    d, dv, ratio = kernel
-    repeat = query.shape[1] // key.shape[1] // ratio
-    pad = torch.nn.functional.pad
-    if query.shape[-1] != d:
-        query, key = pad(query, (0, d - query.shape[-1])), pad(key, (0, d - key.shape[-1]))
-    if value.shape[-1] != dv:
-        value = pad(value, (0, dv - value.shape[-1]))
-    if repeat > 1:  # expand + reshape: autograd sums the copies' gradients in one reduction (fp32 accumulation)
-        key, value = (x.unsqueeze(2).expand(-1, -1, repeat, -1, -1).flatten(1, 2) for x in (key, value))
-    return query, key, value

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, fit_to_kernel, kernel_shape
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 
 __all__ = ["PROVEN", "chain_segments", "refusal", "te_chain_attention"]
 
@@ -24,14 +24,14 @@ PROVEN = ProvenShapes.grid(
     evidence="tests/attention/test_attention.py::test_chain_forest_through_te_matches_dense_bf16 (H200, TE 2.20.2)",
 )
 """Where TE's cuDNN varlen kernel was proven exact through this module (forward and backward against the
-dense reference); smaller head dims run zero-padded onto it (:func:`fit_to_kernel`)."""
+dense reference); other calls do not take this path."""
 
 
 def refusal(shape: AttentionShape, *, dropout_p: float) -> str | None:
     """Why a chain forest of ``shape`` does not go through TE's kernel here, None when it does."""
     if dropout_p:
         return f"TE's chain path takes no attention dropout here (attention_dropout={dropout_p})"
-    if kernel_shape(PROVEN, shape) is None:
+    if not PROVEN.proves(shape):
         return f"TE's cuDNN varlen attention is proven here {PROVEN.describe()}; this call is {shape}"
     return None
 
@@ -70,20 +70,16 @@ def te_chain_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, scale: float
 ) -> torch.Tensor:
     """Causal attention within each segment ``[cu_seqlens[k], cu_seqlens[k+1])`` by TE's fused kernel, on the
-    proven kernel shape that fits the call (:data:`PROVEN`; ``ValueError`` where none does).
+    shapes of :data:`PROVEN` only (``ValueError`` elsewhere).
 
     query ``[1, np, s, hn]``, key ``[1, ng, s, hn]``, value ``[1, ng, s, dv]`` (bf16, CUDA) -> ``[1, np, s, dv]``.
     """
     shape = AttentionShape.of(query, key, value)
-    kernel = kernel_shape(PROVEN, shape)
-    if kernel is None:
+    if not PROVEN.proves(shape):
         raise ValueError(refusal(shape, dropout_p=0.0))
-    dv = value.shape[-1]
-    query, key, value = fit_to_kernel(query, key, value, kernel)
     _, heads, slots, head_dim = query.shape
     attn = _te_attention(heads, key.shape[1], head_dim, float(scale))
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [s, heads, hn]
     out = attn(q, k, v, qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-    out = out.view(slots, heads, value.shape[-1]).transpose(0, 1).unsqueeze(0)
-    return out[..., :dv] if value.shape[-1] != dv else out
+    return out.view(slots, heads, value.shape[-1]).transpose(0, 1).unsqueeze(0)
