@@ -2,12 +2,14 @@
 # Attention conformance on the GPU host (after benchmarks/fa4_stage.sh unpack-a / unpack-b; .te and .whl carried):
 # every backend over the head-dim x GQA x dtype grid, forward + backward against the dense fp64 reference.
 #
-#   PART=routed bash benchmarks/gpu_conformance.sh   # the GPU tests (tests/attention/test_attention_conformance.py,
-#                                                    # tests/attention/test_fa4_attention.py) and the routed grid -> $OUT/conformance_routed.json
-#   PART=raw DTYPES=bf16 bash benchmarks/gpu_conformance.sh   # the raw kernels (FA4, FlexAttention) on every exact shape
-#                                                    # -> $OUT/conformance_raw_bf16.json (one dtype per call: FA4 compiles each variant)
+#   PART=grid bash benchmarks/gpu_conformance.sh    # routed grid (every backend as training calls it)
+#                                                   #   -> $OUT/conformance_routed.{json,txt}
+#                                                   # raw kernels (FA4, FlexAttention) on every exact shape, bf16,
+#                                                   # GQA 1 / 2 / 4 / 8 -> $OUT/conformance_raw_{a,b}.{json,txt}
+#   PART=raw32 bash benchmarks/gpu_conformance.sh   # FlexAttention raw in fp32 / fp16 -> $OUT/conformance_raw_c.*
+#   PART=suite bash benchmarks/gpu_conformance.sh   # the README's test command (GPU tests included) -> $OUT/suite.txt
 # Outputs under $OUT (default benchmarks/results/te). A raw row that passes is the evidence for adding
-# its shape to the backend's PROVEN table.
+# its shape to the backend's PROVEN table. Each JSON file is rewritten after every row: a run cut short keeps its rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/te}
@@ -16,13 +18,23 @@ export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 python3 -c "import transformer_engine" 2>/dev/null || bash .te/te-setup.sh 2>&1 | tail -1
 python3 -c "from megatron_tree.attention.fa4 import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
-if [ "${PART:-routed}" = routed ]; then
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_attention_conformance.py \
-    tests/attention/test_fa4_attention.py 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/conformance_tests.txt"
-  timeout 150 python3 -W ignore -m megatron_tree.attention.conformance --modes routed --out "$OUT/conformance_routed.json" \
-    > "$OUT/conformance_routed.txt" 2>&1; tail -1 "$OUT/conformance_routed.txt"
-else
-  timeout 560 python3 -W ignore -m megatron_tree.attention.conformance --modes raw --backends flex fa4 \
-    --dtypes ${DTYPES:-bf16} --trees grpo grpo_query_slots --out "$OUT/conformance_raw_${DTYPES:-bf16}.json" \
-    > "$OUT/conformance_raw_${DTYPES:-bf16}.txt" 2>&1; tail -1 "$OUT/conformance_raw_${DTYPES:-bf16}.txt"
-fi
+conf() {  # conf NAME SECONDS ARGS...: one conformance run -> $OUT/conformance_NAME.{json,txt}
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" python3 -W ignore -m megatron_tree.attention.conformance --out "$OUT/conformance_$name.json" "$@" \
+    > "$OUT/conformance_$name.txt" 2>&1
+  echo "$name: rc $? $(tail -n 1 "$OUT/conformance_$name.txt")"
+}
+case "${PART:-grid}" in
+grid)
+  conf routed "${ROUTED_S:-120}" --modes routed
+  conf raw_a "${RAW_A_S:-200}" --modes raw --backends fa4 flex --dtypes bf16 --head-dims 128 64 96 \
+    --gqa-ratios 4 8 1 2 --trees grpo grpo_query_slots
+  conf raw_b "${RAW_B_S:-180}" --modes raw --backends flex fa4 --dtypes bf16 --head-dims 80 72 104 112 192/128 256 \
+    --gqa-ratios 1 2 4 8 --trees grpo grpo_query_slots ;;
+raw32)
+  conf raw_c "${RAW_C_S:-300}" --modes raw --backends flex --dtypes fp32 fp16 --gqa-ratios 1 2 4 8 \
+    --trees grpo grpo_query_slots ;;
+suite)
+  timeout "${SUITE_S:-560}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" tests 2>&1 | tee "$OUT/suite.txt" | tail -n 40 ;;
+*) echo "usage: PART=grid|raw32|suite $0"; exit 2 ;;
+esac

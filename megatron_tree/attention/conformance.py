@@ -196,7 +196,13 @@ def run_conformance(
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     generation = device_generation(device)
-    rows = []
+    rows: list[Row] = []
+
+    def emit(row: Row) -> None:
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+
     for tree in trees:
         end = conformance_tree(tree.removesuffix("_query_slots"), max_tokens, device)
         t = end.shape[0]
@@ -227,8 +233,8 @@ def run_conformance(
                             try:
                                 fn = _raw(backend, end, slots, scale)
                             except Exception as exc:  # FA4 not runnable here
-                                rows.append(Row(backend, mode, tree, d, dv, ratio, dtype_name, generation, "error",
-                                                message=f"{type(exc).__name__}: {exc}"[:400]))
+                                emit(Row(backend, mode, tree, d, dv, ratio, dtype_name, generation, "error",
+                                         message=f"{type(exc).__name__}: {exc}"[:400]))
                                 continue
                         PREPARED_MASKS.clear()
                         start = time.perf_counter()
@@ -245,9 +251,7 @@ def run_conformance(
                             if problems:
                                 row.status, row.message = "FAIL", "; ".join(problems)
                         row.seconds = round(time.perf_counter() - start, 3)
-                        rows.append(row)
-                        if progress is not None:
-                            progress(row)
+                        emit(row)
     return rows
 
 
@@ -281,10 +285,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron_tree.core.platform import have_transformer_engine
 
     have_transformer_engine()  # TE loads the system cuDNN: import it before SDPA's cuDNN runs
-    rows = run_conformance(args.backends, head_dims=dims, gqa_ratios=args.gqa_ratios, dtypes=args.dtypes,
-                           trees=args.trees, modes=args.modes,
-                           max_tokens=args.max_tokens or (3000 if torch.cuda.is_available() else 300),
-                           progress=lambda row: print(_line(row), flush=True))
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     try:
         import importlib.metadata
@@ -292,8 +292,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["flash-attn-4"] = importlib.metadata.version("flash-attn-4")
     except Exception:
         meta["flash-attn-4"] = None
+    done: list[Row] = []
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "k": K, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        json.dump({"meta": meta, "k": K, "rows": []}, f)
+
+    def record(row: Row) -> None:  # rewrite the file after every row: a run cut short keeps what it measured
+        done.append(row)
+        print(_line(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "k": K, "rows": [asdict(r) for r in done]}, f, indent=1)
+
+    rows = run_conformance(args.backends, head_dims=dims, gqa_ratios=args.gqa_ratios, dtypes=args.dtypes,
+                           trees=args.trees, modes=args.modes,
+                           max_tokens=args.max_tokens or (3000 if torch.cuda.is_available() else 300),
+                           progress=record)
     failed = [r for r in rows if r.mode == "routed" and r.status == "FAIL"]
     print(f"{len(rows)} rows, routed: {sum(r.status == 'pass' for r in rows if r.mode == 'routed')} pass, "
           f"{sum(r.status == 'refused' for r in rows if r.mode == 'routed')} refused, {len(failed)} FAIL; wrote {args.out}")
