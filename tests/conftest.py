@@ -5,7 +5,11 @@
 - ``broken_attention_backends``: backends wrong on purpose, for tests that must be able to fail.
 - ``cpu_dist``: one gloo process with megatron-core's parallel state alone.
 - ``cpu_megatron``: one gloo process with megatron-core's parallel state (TP = PP = 1), the
-  compatibility patches and CPU mode (a no-op where CUDA is available), for a test module.
+  compatibility patches and CPU mode, for a test module.
+- On a machine with CUDA, every test not marked ``gpu`` runs in ``cpu_mode(force=True)``
+  (``torch.cuda.is_available()`` reads False, as on CI): the CPU suite is the same test on every
+  machine, and the GPU's share is the ``gpu`` tests. Subprocesses get ``CUDA_VISIBLE_DEVICES=""``
+  (``dist_utils.cpu_env``).
 
 The fast tier for development: ``python -m pytest -q tests -m "not slow and not multiprocess"``.
 """
@@ -22,6 +26,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu(request):
+    """Tests not marked ``gpu`` run on the CPU on a GPU machine too (module-scoped fixtures that build
+    models enter CPU mode themselves: ``cpu_megatron``, ``cpu_dist``)."""
+    if not _CUDA or request.node.get_closest_marker("gpu"):
+        yield
+        return
+    from megatron_tree.runtime import cpu_mode
+
+    with cpu_mode(force=True):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +72,7 @@ def cpu_megatron():
     from megatron_tree.compat import apply_compat_patches
     from megatron_tree.runtime import cpu_mode, destroy_distributed, init_cpu_distributed
 
-    with apply_compat_patches(), cpu_mode():
+    with cpu_mode(force=True), apply_compat_patches():  # CPU first: the patches look for CUDA / TE
         init_cpu_distributed(tp=1)
         yield
         destroy_distributed()

@@ -272,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--head-dims", nargs="+", default=None, metavar="D[/DV]",
                         help="head dims (d, or d/dv); default: 64 72 80 96 104 112 128 192/128 256")
     parser.add_argument("--gqa-ratios", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--heads", type=int, default=8,
+                        help="query heads (each GQA ratio must divide it; 35 gives ratios 5 and 7)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16", "fp32"])
     parser.add_argument("--trees", nargs="+", choices=["grpo", "multi_turn", "grpo_query_slots"],
                         default=["grpo", "multi_turn", "grpo_query_slots"])
@@ -279,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="slots of each test tree, about (default: 3000 on a GPU, 300 on the CPU)")
     args = parser.parse_args(argv)
+    bad = [r for r in args.gqa_ratios if r < 1 or args.heads % r]
+    if bad:
+        parser.error(f"--gqa-ratios {bad} do not divide --heads {args.heads}")
     dims = None
     if args.head_dims:
         dims = [tuple(int(x) for x in s.split("/")) if "/" in s else (int(s), int(s)) for s in args.head_dims]
@@ -303,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump({"meta": meta, "k": K, "rows": [asdict(r) for r in done]}, f, indent=1)
 
     rows = run_conformance(args.backends, head_dims=dims, gqa_ratios=args.gqa_ratios, dtypes=args.dtypes,
-                           trees=args.trees, modes=args.modes,
+                           trees=args.trees, modes=args.modes, heads=args.heads,
                            max_tokens=args.max_tokens or (3000 if torch.cuda.is_available() else 300),
                            progress=record)
     failed = [r for r in rows if r.mode == "routed" and r.status == "FAIL"]

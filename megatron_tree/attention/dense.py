@@ -20,13 +20,11 @@ def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) 
 
 
 def attend(query, key, value, prepared, *, scale, dropout_p):
-    """SDPA over query ``[b, np, Tq, hn]``, key/value ``[b, ng, T, hn]`` with the mask from :func:`prepare`."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    """SDPA over query ``[b, np, Tq, hn]``, key/value ``[b, ng, T, hn]`` / ``[b, ng, T, dv]`` with the mask from
+    :func:`prepare`. GQA through SDPA's ``enable_gqa`` (the kernel sums each key/value head's gradient over its
+    query heads in its own accumulator; repeating K/V and summing their bf16 gradients doubled dK's error)."""
     return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=prepared, dropout_p=dropout_p, scale=scale
+        query, key, value, attn_mask=prepared, dropout_p=dropout_p, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )
 
 

@@ -22,9 +22,9 @@ from megatron_tree.core.patching import AttrPatch, PatchScope
 
 
 def _compat_patches() -> list[AttrPatch]:
-    from . import mbridge
+    from . import mbridge, megatron_core
 
-    return mbridge.compat_patches()
+    return mbridge.compat_patches() + megatron_core.compat_patches()
 
 
 _COMPAT_SCOPE = PatchScope(_compat_patches)

@@ -28,6 +28,33 @@ def moe_te_general_gemm() -> list[AttrPatch]:
     ]
 
 
+def torch_optimizers_without_cuda() -> list[AttrPatch]:
+    """``megatron.core.optimizer`` on torch's AdamW / SGD in a process without CUDA.
+
+    Needed by megatron-core (0.16 - 0.19 at least) where Transformer Engine or Apex is installed but no GPU
+    is usable (a CPU run on a GPU host: ``CUDA_VISIBLE_DEVICES=""``, ``cpu_mode(force=True)``): the module
+    binds ``Adam`` / ``SGD`` at import to TE's (or Apex's) fused optimizers whenever they import, which run
+    CUDA kernels only. The patch sets what megatron-core sets when neither is installed
+    (``USING_PYTORCH_OPTIMIZER = True``, torch's classes). No-op with CUDA or where it already is so.
+    """
+    import torch
+    from megatron.core import optimizer
+
+    if torch.cuda.is_available() or getattr(optimizer, "USING_PYTORCH_OPTIMIZER", True):
+        return []
+    why = "no CUDA: torch optimizers, not TE's / Apex's fused ones"
+    return [
+        AttrPatch(optimizer, "USING_PYTORCH_OPTIMIZER", True, why),
+        AttrPatch(optimizer, "Adam", torch.optim.AdamW, why),
+        AttrPatch(optimizer, "SGD", torch.optim.SGD, why),
+    ]
+
+
+def compat_patches() -> list[AttrPatch]:
+    """The revertible megatron-core fixes this process needs (applied by :func:`megatron_tree.compat.apply_compat_patches`)."""
+    return torch_optimizers_without_cuda()
+
+
 def lasting_fixes() -> list[AttrPatch]:
     """Fixes of upstream bugs (a missing name) that this process needs and models rely on for
     their whole life: :func:`megatron_tree.compat.apply_compat_patches` applies them once and

@@ -149,12 +149,26 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
             raise ValueError(f"--load {path}: the checkpoint does not fit this model ({_first_cause(e)}); "
                              f"resume with the model config and parallel layout it was saved with") from None
     for i, chunk in enumerate(unwrap_model(model)):
-        chunk.load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+        _load_model_state(chunk, loaded["model" if len(model) == 1 else f"model{i}"], path)
     optimizer.load_state_dict(loaded["optimizer"])
     if has_rng:
         _set_rng_state(loaded["rng_state"])
     return int(common["iteration"]), common["data"], has_rng
 
+
+
+def _load_model_state(chunk: torch.nn.Module, state: dict, path: str) -> None:
+    """``chunk.load_state_dict`` that lets a module's ``_extra_state`` be absent from ``state``, and nothing else.
+
+    Distributed checkpoints hold no ``_extra_state`` of modules that write none into them (megatron-core's
+    ``TEDotProductAttention``, and :class:`~megatron_tree.mcore.core_attention.TreeCoreAttentionTE` in its
+    place, keep theirs in torch state dicts only), so a strict load of a Transformer Engine model misses them.
+    """
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"--load {path}: the checkpoint does not fit this model (missing {missing[:4]}, unexpected "
+                         f"{list(result.unexpected_keys)[:4]}); resume with the model config it was saved with")
 
 
 def _first_cause(error: Exception) -> str:

@@ -47,6 +47,7 @@ PIECES = [
     mbridge_patches.mixtral_router_renormalise,
     mbridge_patches.tied_embedding_mapping_per_bridge,
     megatron_core_patches.moe_te_general_gemm,
+    megatron_core_patches.torch_optimizers_without_cuda,
     cpu_rng_state,
 ]
 
@@ -75,6 +76,20 @@ def test_each_piece_restores_the_exact_original(piece):
     for p in patches:
         with pytest.raises(RuntimeError, match="not applied"):
             p.revert()
+
+
+def test_optimizers_are_torch_ones_without_cuda_where_te_bound_fused_ones(monkeypatch):
+    """TE installed, no usable GPU (a CPU run on a GPU host): megatron-core's fused Adam / SGD become torch's."""
+    from megatron.core import optimizer
+
+    monkeypatch.setattr(optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(optimizer, "Adam", object)  # stands for TE's FusedAdam
+    patches = megatron_core_patches.torch_optimizers_without_cuda()
+    assert {p.name: p.new for p in patches} == {"USING_PYTORCH_OPTIMIZER": True, "Adam": torch.optim.AdamW,
+                                                "SGD": torch.optim.SGD}
+    with apply_compat_patches():
+        assert optimizer.Adam is torch.optim.AdamW and optimizer.USING_PYTORCH_OPTIMIZER is True
+    assert optimizer.Adam is object
 
 
 def test_apply_compat_patches_is_nested_safe_and_reverts():

@@ -5,7 +5,7 @@
 - a tree model called directly with the wrong mask, no mask or packed_seq_params refuses;
 - verify_tree_model passes a tree model (fp32 and bf16, TP=2, PP=2) and fails one whose RoPE
   rotates by packed slot index (structurally a tree model);
-- on a GPU with Transformer Engine the upstream model's TEDotProductAttention is named.
+- on a GPU (with Transformer Engine: its TEDotProductAttention named): tests/mcore/test_verify_gpu.py.
 """
 
 from __future__ import annotations
@@ -214,24 +214,6 @@ def test_launcher_flag_logs_the_error():
     line = re.search(r"verify_tree_model: tree vs per-sequence max \|dlogprob\| (\S+) <= tolerance ([^,]+), "
                      r"max grad rel err (\S+) <= tolerance (\S+)", proc.stdout)
     assert line and float(line[1]) <= float(line[2]) and float(line[3]) <= float(line[4]), proc.stdout[-3000:]
-
-
-@pytest.mark.gpu  # needs CUDA (Transformer Engine spec, GPU kernels)
-def test_gpu_upstream_model_is_named_and_tree_model_verifies(megatron_cpu):
-    upstream = build(megatron_cpu, tree=False)
-    core = upstream.decoder.layers[0].self_attention.core_attention
-    with pytest.raises(ValueError) as e:
-        check_tree_model(upstream)
-    print(e.value)
-    assert f"'decoder.layers.0.self_attention.core_attention' is {type(core).__module__}.{type(core).__qualname__}" in str(e.value)
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        pass
-    else:  # mbridge builds the TE spec whenever TE imports
-        assert "TEDotProductAttention" in str(e.value)
-    for bf16 in (False, True):
-        print(verify_tree_model(build(megatron_cpu, bf16=bf16)))
 
 
 def test_bf16_model_logits_stay_bf16_with_the_same_logprobs(megatron_cpu, mbs, monkeypatch):

@@ -111,8 +111,9 @@ def test_cuda_compiled_chunks_match_reference(with_entropy):
         ref = logp[torch.arange(4 * t, device="cuda"), labels]
         ref_ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros((), device="cuda")
         ((ref * w).sum() + ref_ent.sum()).backward()
-        assert (lp.double() - ref).abs().max() < TOL and (ent.double() - ref_ent).abs().max() < TOL
-        assert (logits.grad.double() - ref_in.grad).abs().max() < TOL
+        assert (lp.double() - ref).abs().max() < TOL and (logits.grad.double() - ref_in.grad).abs().max() < TOL
+        # an entropy sums 1000 fp32 terms of size ~log(1000): relative to its value (H200: 1.02e-5 off)
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=4e-6, atol=TOL)
 
 
 _V = 11
