@@ -25,6 +25,7 @@ pack)
   python3 -m pip install -q --no-deps --no-compile --target "$w/site" --python-version 3.12 --implementation cp \
     --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 "$w"/*.whl
   mkdir -p .fa4a .fa4b
+  for d in /.fa4a/ /.fa4b/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
   xz -9e -T0 -c "$w/site/$IR" > .fa4a/ir.so.xz
   xz -9e -T0 -c "$w/site/$RT" > .fa4a/rt.so.xz
   tar -C "$w/site" -cf - --exclude="$(basename $IR)" --exclude="$(basename $RT)" . | xz -9 -T0 > .fa4b/site.tar.xz

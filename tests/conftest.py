@@ -1,47 +1,54 @@
 """Shared fixtures and markers of the suite (markers: pytest.ini).
 
+- On a GPU host the suite runs in two passes (``two_pass``): the CPU suite with CUDA hidden, as
+  on CI, then the ``gpu`` tests in a second pytest with CUDA visible; one command, one exit code.
 - ``gpu`` tests are skipped, with the reason, where CUDA is not available.
 - tests that start processes (``dist_utils.run_torchrun``) must carry ``multiprocess`` (checked).
 - ``broken_attention_backends``: backends wrong on purpose, for tests that must be able to fail.
 - ``cpu_dist``: one gloo process with megatron-core's parallel state alone.
 - ``cpu_megatron``: one gloo process with megatron-core's parallel state (TP = PP = 1), the
-  compatibility patches and CPU mode, for a test module.
-- On a machine with CUDA, every test not marked ``gpu`` runs in ``cpu_mode(force=True)``
-  (``torch.cuda.is_available()`` reads False, as on CI): the CPU suite is the same test on every
-  machine, and the GPU's share is the ``gpu`` tests. Subprocesses get ``CUDA_VISIBLE_DEVICES=""``
-  (``dist_utils.cpu_env``).
+  compatibility patches and CPU mode (a no-op where CUDA is available), for a test module.
 
 The fast tier for development: ``python -m pytest -q tests -m "not slow and not multiprocess"``.
 """
 
 import dist_utils
 import pytest
-import torch
+import two_pass
+
+GPU_PASS = two_pass.hide_cuda_for_pass_one()  # before torch touches CUDA in this process
+
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    reason = "needs a CUDA GPU" if GPU_PASS is None else "runs in the GPU pass, after this one (CUDA visible)"
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
 
-_CUDA = torch.cuda.is_available()
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session):
+    yield
+    if GPU_PASS is not None and not session.config.option.collectonly and not session.shouldstop:
+        rc = two_pass.run_gpu_pass(session.config, GPU_PASS)
+        session.config.stash[_GPU_PASS_RC] = rc
+        if rc not in (0, 5):  # 5: the selection holds no gpu test
+            session.testsfailed += 1
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu(request):
-    """Tests not marked ``gpu`` run on the CPU on a GPU machine too (module-scoped fixtures that build
-    models enter CPU mode themselves: ``cpu_megatron``, ``cpu_dist``)."""
-    if not _CUDA or request.node.get_closest_marker("gpu"):
-        yield
-        return
-    from megatron_tree.runtime import cpu_mode
+_GPU_PASS_RC = pytest.StashKey[int]()
 
-    with cpu_mode(force=True):
-        yield
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    rc = config.stash.get(_GPU_PASS_RC, None)
+    if rc is not None:
+        outcome = {0: "passed", 5: "no gpu test selected"}.get(rc, f"FAILED (exit code {rc}, its output above)")
+        terminalreporter.write_line(f"GPU pass (the gpu tests, CUDA visible): {outcome}")
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +79,7 @@ def cpu_megatron():
     from megatron_tree.compat import apply_compat_patches
     from megatron_tree.runtime import cpu_mode, destroy_distributed, init_cpu_distributed
 
-    with cpu_mode(force=True), apply_compat_patches():  # CPU first: the patches look for CUDA / TE
+    with apply_compat_patches(), cpu_mode():
         init_cpu_distributed(tp=1)
         yield
         destroy_distributed()

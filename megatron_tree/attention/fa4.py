@@ -21,7 +21,7 @@ compiled on first use per (dtype, head layout, mask kind) and reused for every l
 bf16 only (the kernels have no fp32 path; fp16 is unproven): fp32 / fp16 runs take ``"flex"`` or ``"dense"``.
 
 Trusted only where a GPU test compared its gradients (:data:`PROVEN`: bf16 on Hopper, head dims 64 / 96 /
-128 with MHA and GQA 2:1, 64 / 128 with GQA 4:1 and 8:1, flash-attn-4 4.0.0b36; 4.0.0b36 returns a wrong dQ at
+128 with MHA and GQA 2:1 / 4:1 / 8:1, 64 / 128 with GQA 5:1 / 7:1 too, flash-attn-4 4.0.0b36; 4.0.0b36 returns a wrong dQ at
 head dims 72 - 112 (and at GQA 4:1 and 8:1 a wrong dK and dV too) and refuses 192 / 256). Every other call is refused (``auto`` sends it to a backend proven there).
 
 As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend` /
@@ -69,13 +69,16 @@ PROVEN = ProvenShapes.grid(
     "within dense bf16's own error of the fp32 reference (head dims 72, 80, 104, 112: dQ off by 1.3; 192, 256: "
     "refused by the kernel); tests/attention/test_fa4_attention.py at 64 MHA and 128 GQA 2:1",
 ) | ProvenShapes.grid(
-    head_dims=(64, 128), gqa_ratios=(4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
-    evidence="benchmarks/results/te/conformance_raw_a.json (flash-attn-4 4.0.0b36, H200, torch 2.11): raw kernel, "
-    "GRPO tree and context-parallel query slots, at most 1.5x dense bf16's error (the rule: 2x)",
+    head_dims=(64, 128), gqa_ratios=(4, 5, 7, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="benchmarks/results/te/conformance_raw_{a,c}.json (flash-attn-4 4.0.0b36, H200, torch 2.11): raw "
+    "kernel, GRPO tree and context-parallel query slots, at most 1.5x dense bf16's error (the rule: 2x)",
+) | ProvenShapes.grid(
+    head_dims=(96,), gqa_ratios=(4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="benchmarks/results/te/conformance_raw_{a,d}.json (as above)",
 )
 """Where the FA4 kernels of :data:`FA4_VERSION` were proven exact: bf16 on Hopper, head dims 64 / 96 / 128 with
-MHA and GQA 2:1, head dims 64 / 128 with GQA 4:1 and 8:1. Every other call (other head dims or GQA ratios, fp16,
-a v head dim of its own as in MLA, other GPU generations) is refused."""
+MHA and GQA 2:1, 4:1, 8:1, and 64 / 128 with GQA 5:1 and 7:1 too. Every other call (other head dims or GQA ratios,
+fp16, a v head dim of its own as in MLA, other GPU generations) is refused."""
 
 BLOCK = 128
 """Sparse block size, query and key, forward and backward: the Hopper forward tile, and two of the

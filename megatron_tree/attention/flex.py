@@ -69,12 +69,15 @@ PROVEN = ProvenShapes.grid(
     head_dims=(128,), gqa_ratios=(2,), dtypes=(torch.bfloat16,), devices=("sm90",),
     evidence="tests/attention/test_flex_attention.py::test_cuda_bf16_error_within_k_times_dense_bf16_error (H200, torch 2.11)",
 ) | ProvenShapes.grid(
-    head_dims=(128,), gqa_ratios=(1, 2, 4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
-    evidence="benchmarks/results/te/conformance_raw_a.json (H200, torch 2.11): raw kernel, GRPO tree and "
+    head_dims=(128,), gqa_ratios=(1, 2, 4, 5, 7, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="benchmarks/results/te/conformance_raw_{a,c}.json (H200, torch 2.11): raw kernel, GRPO tree and "
     "context-parallel query slots, at most 1.5x dense bf16's error (the rule: 2x)",
 ) | ProvenShapes.grid(
-    head_dims=(64,), gqa_ratios=(4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
-    evidence="benchmarks/results/te/conformance_raw_a.json (as above)",
+    head_dims=(64,), gqa_ratios=(4, 5, 7, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="benchmarks/results/te/conformance_raw_{a,c}.json (as above)",
+) | ProvenShapes.grid(
+    head_dims=(96,), gqa_ratios=(4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="benchmarks/results/te/conformance_raw_{a,d}.json (as above)",
 )
 """Where this backend's FlexAttention kernels were proven exact (forward and backward against the dense
 reference, on a GPU); other calls go elsewhere (``auto``) or are refused."""

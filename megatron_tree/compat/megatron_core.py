@@ -32,7 +32,7 @@ def torch_optimizers_without_cuda() -> list[AttrPatch]:
     """``megatron.core.optimizer`` on torch's AdamW / SGD in a process without CUDA.
 
     Needed by megatron-core (0.16 - 0.19 at least) where Transformer Engine or Apex is installed but no GPU
-    is usable (a CPU run on a GPU host: ``CUDA_VISIBLE_DEVICES=""``, ``cpu_mode(force=True)``): the module
+    is usable (a CPU run on a GPU host: ``CUDA_VISIBLE_DEVICES=""``): the module
     binds ``Adam`` / ``SGD`` at import to TE's (or Apex's) fused optimizers whenever they import, which run
     CUDA kernels only. The patch sets what megatron-core sets when neither is installed
     (``USING_PYTORCH_OPTIMIZER = True``, torch's classes). No-op with CUDA or where it already is so.

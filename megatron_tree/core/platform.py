@@ -16,8 +16,7 @@ def have_transformer_engine() -> bool:
     """Whether Transformer Engine can run here: CUDA is available and TE's PyTorch API imports (it is
     then imported: TE loads the system cuDNN, so call this before PyTorch's cuDNN attention first runs,
     or a cuDNN symbol clash follows). False without CUDA even where TE is installed (its modules need
-    a GPU): a CPU run on a GPU machine (``CUDA_VISIBLE_DEVICES=""``, ``cpu_mode(force=True)``) builds
-    megatron-core's local spec."""
+    a GPU): a CPU run on a GPU machine (``CUDA_VISIBLE_DEVICES=""``) builds megatron-core's local spec."""
     import torch
 
     return torch.cuda.is_available() and _transformer_engine_imports()

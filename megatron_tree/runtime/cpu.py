@@ -131,20 +131,11 @@ def _cpu_shim_patches() -> list[AttrPatch]:
 
 
 _CPU_SCOPE = PatchScope(_cpu_shim_patches)
-_HIDDEN_CUDA = PatchScope(lambda: [
-    AttrPatch(torch.cuda, "is_available", lambda: False, "cpu_mode(force=True): run on the CPU beside a GPU"),
-])
 
 
 @contextlib.contextmanager
-def cpu_mode(*, force: bool = False) -> Iterator[None]:
-    """Run megatron-core / mbridge code on the CPU inside the block; a no-op when CUDA is available,
-    unless ``force``.
-
-    ``force=True`` runs the block on the CPU on a machine with CUDA too: ``torch.cuda.is_available()``
-    reads False inside it (so megatron-core, mbridge and this package pick their CPU paths: gloo,
-    megatron-core's local spec, not Transformer Engine), then everything below. For CPU runs and
-    CPU-reference tests on a GPU host; tensors made on the GPU before the block stay there.
+def cpu_mode() -> Iterator[None]:
+    """Run megatron-core / mbridge code on the CPU inside the block; a no-op when CUDA is available.
 
     What it maps (reverted on exit, nesting-safe): ``torch.cuda.current_device() -> torch.device('cpu')``; ``torch.cuda.synchronize`` -> no-op;
     ``torch.cuda.get_rng_state / set_rng_state / manual_seed`` (also under
@@ -155,11 +146,8 @@ def cpu_mode(*, force: bool = False) -> Iterator[None]:
     ``device=`` keywords and ``Tensor.to(device)`` -> ``"cpu"``. The mode is thread-local:
     code run by other threads inside the block sees no device rewriting.
     """
-    if not isinstance(force, bool):
-        raise TypeError(f"cpu_mode(force=...) takes a bool, got {force!r}")
-    if torch.cuda.is_available() and not force:
+    if torch.cuda.is_available():
         yield
         return
-    hide = _HIDDEN_CUDA.active() if torch.cuda.is_available() else contextlib.nullcontext()
-    with hide, _CPU_SCOPE.active(), _CudaToCpuMode():
+    with _CPU_SCOPE.active(), _CudaToCpuMode():
         yield

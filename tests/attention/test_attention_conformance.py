@@ -31,17 +31,14 @@ def _shape(d, dv=None, ratio=1, dtype=BF16, device="sm90"):
 
 
 def test_fa4_proven_table():
-    """FA4 4.0.0b36: bf16 on Hopper, 64 / 96 / 128 with MHA and GQA 2:1, 64 / 128 with GQA 4:1 and 8:1, and nothing
-    else (4.0.0b36's dQ is wrong at head dims 72 - 112 and it refuses 192 / 256; other GQA ratios, 96 at GQA 4:1 under
-    query slots, and fp16 were not compared on a GPU: benchmarks/results/te/conformance_raw_*.json)."""
+    """FA4 4.0.0b36: bf16 on Hopper, 64 / 96 / 128 with MHA and GQA 2:1 / 4:1 / 8:1, 64 / 128 with GQA 5:1 / 7:1 too,
+    and nothing else (4.0.0b36's dQ is wrong at head dims 72 - 112 and it refuses 192 / 256; other GQA ratios and
+    fp16 were not compared on a GPU: benchmarks/results/te/conformance_raw_*.json)."""
     proven = fa4_attention.PROVEN
-    for d in (64, 96, 128):
-        for ratio in (1, 2):
-            assert proven.proves(_shape(d, ratio=ratio))
-    for d in (64, 128):
-        for ratio in (4, 8):
-            assert proven.proves(_shape(d, ratio=ratio))
-    for unproven in (_shape(72), _shape(80, ratio=2), _shape(112), _shape(96, ratio=4), _shape(64, ratio=3),
+    for d, ratios in ((64, (1, 2, 4, 5, 7, 8)), (96, (1, 2, 4, 8)), (128, (1, 2, 4, 5, 7, 8))):
+        for ratio in ratios:
+            assert proven.proves(_shape(d, ratio=ratio)), (d, ratio)
+    for unproven in (_shape(72), _shape(80, ratio=2), _shape(112), _shape(96, ratio=5), _shape(64, ratio=3),
                      _shape(128, ratio=16), _shape(192, 128), _shape(256), _shape(128, dtype=FP16),
                      _shape(128, dtype=FP32), _shape(128, device="sm100"), _shape(128, device="cpu"), _shape(32)):
         assert not proven.proves(unproven), unproven
@@ -125,4 +122,4 @@ def test_backends_conform_on_gpu(backend):
         assert all(r.status == "pass" for r in rows)
     if backend == "fa4" and fa4_attention.fa4_available():
         passed = {(r.head_dim, r.gqa_ratio) for r in rows if r.status == "pass"}
-        assert passed == {(64, 1), (64, 2), (64, 4), (96, 1), (96, 2), (128, 1), (128, 2), (128, 4)}
+        assert passed == {(d, r) for d in (64, 96, 128) for r in (1, 2, 4)}

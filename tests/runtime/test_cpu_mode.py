@@ -79,24 +79,6 @@ def test_cpu_mode_leaves_no_device_rewrite_behind():
         torch.empty(1, device="cuda")
 
 
-@pytest.mark.gpu  # needs CUDA: what force=True hides
-def test_cpu_mode_force_runs_on_the_cpu_beside_a_gpu():
-    from megatron_tree.core.platform import have_transformer_engine
-
-    with cpu_mode(force=True):
-        assert not torch.cuda.is_available() and not have_transformer_engine()
-        assert torch.empty(1, device="cuda").device.type == "cpu"
-        with cpu_mode():  # nested, not forced: still on the CPU
-            assert torch.ones(1).cuda().device.type == "cpu"
-    assert torch.cuda.is_available() and torch.empty(1, device="cuda").is_cuda
-
-
-def test_cpu_mode_force_takes_a_bool():
-    with pytest.raises(TypeError, match="takes a bool"):
-        with cpu_mode(force="yes"):
-            pass
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [(dict(tp=0), ValueError), (dict(tp="2"), TypeError), (dict(ep=True), TypeError), (dict(vpp=0), ValueError)],
