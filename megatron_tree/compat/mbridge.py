@@ -60,11 +60,14 @@ def model_type_encoder_and_decoder() -> list[AttrPatch]:
 
 
 def _expose_rope_theta(hf_config: Any) -> None:
-    """Set ``hf_config.rope_theta`` from ``hf_config.rope_parameters`` (transformers >= 5) if it is missing."""
-    if hasattr(hf_config, "rope_theta"):
-        return
+    """Set ``hf_config.rope_theta`` (and ``partial_rotary_factor``, where ``rope_parameters`` holds one) from
+    ``hf_config.rope_parameters`` (transformers >= 5) if they are missing."""
     params = getattr(hf_config, "rope_parameters", None)
-    if not isinstance(params, dict) or "rope_theta" not in params:
+    if not isinstance(params, dict):
+        return
+    if not hasattr(hf_config, "partial_rotary_factor") and "partial_rotary_factor" in params:
+        hf_config.partial_rotary_factor = params["partial_rotary_factor"]  # GLM-4.5: RoPE on half of each head
+    if hasattr(hf_config, "rope_theta") or "rope_theta" not in params:
         return
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
@@ -82,8 +85,9 @@ def hf_rope_theta() -> list[AttrPatch]:
     Needed by mbridge 0.15.1 with transformers >= 5, where config classes keep RoPE
     settings only in ``config.rope_parameters`` (``{"rope_type", "rope_theta", ...}``) and
     ``config.rope_theta`` raises ``AttributeError``; mbridge reads ``hf_config.rope_theta``
-    (``LLMBridge._get_gptmodel_args``, ``LLaMABridge``). Wraps ``Bridge.__init__`` to copy
-    ``rope_parameters["rope_theta"]`` onto the config (and its ``text_config``, if any).
+    (``LLMBridge._get_gptmodel_args``, ``LLaMABridge``), and GLM-4.5's bridge
+    ``hf_config.partial_rotary_factor``. Wraps ``Bridge.__init__`` to copy ``rope_parameters["rope_theta"]``
+    (and ``"partial_rotary_factor"``) onto the config (and its ``text_config``, if any).
     Non-default ``rope_type`` raises ``ValueError`` because mbridge would ignore it.
     No-op when the config class still has ``rope_theta``.
     """
@@ -259,6 +263,8 @@ def qwen2_moe_shared_expert_gate() -> list[AttrPatch]:
 
     @functools.wraps(original)
     def _build_base_config(self, *args, **kwargs):
+        if getattr(self.hf_config, "model_type", None) != "qwen2_moe":  # subclasses: Qwen3-MoE, GLM-4.5 (no gate)
+            return original(self, *args, **kwargs)
         if "_build_base_config" not in vars(self):
             self._build_base_config = types.MethodType(_build_base_config, self)
         return original(self, *args, **{"moe_shared_expert_gate": True, **kwargs})
@@ -293,6 +299,40 @@ def mixtral_router_renormalise() -> list[AttrPatch]:
         return dataclasses.replace(config, moe_router_pre_softmax=False)
 
     return [AttrPatch(MixtralBridge, "_build_config", _build_config, "mbridge leaves Mixtral's top-k unnormalised")]
+
+
+def glm4_moe_router_and_shared_experts() -> list[AttrPatch]:
+    """Build GLM-4.5's router and shared experts as Hugging Face's ``Glm4MoeMoE`` computes them.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``GLM4MoEBridge._build_config``
+    ignores ``n_group`` / ``topk_group`` (HF chooses experts only within the ``topk_group`` best of
+    ``n_group`` groups, scored by each group's two best biased scores: megatron-core's
+    ``moe_router_num_groups`` / ``moe_router_group_topk``), and sizes the shared experts at
+    ``moe_intermediate_size`` where HF has ``moe_intermediate_size * n_shared_experts``. (GLM-4.5's own
+    checkpoints have one group and one shared expert, where both agree.) Wraps ``_build_config`` to pass
+    both unless the caller set them through ``bridge.set_extra_args``; a bridge built inside the block
+    keeps the wrapped method on the instance.
+    """
+    from mbridge.models.glm4moe import GLM4MoEBridge
+
+    original = vars(GLM4MoEBridge)["_build_config"]
+
+    @functools.wraps(original)
+    def _build_config(self):
+        if "_build_config" not in vars(self):
+            self._build_config = types.MethodType(_build_config, self)
+        config = original(self)
+        hf = self.hf_config
+        fix: dict[str, Any] = {}
+        if getattr(hf, "n_group", 1) > 1 and "moe_router_num_groups" not in self.extra_args:
+            fix.update(moe_router_num_groups=hf.n_group, moe_router_group_topk=hf.topk_group)
+        shared = hf.moe_intermediate_size * getattr(hf, "n_shared_experts", 1)
+        if "moe_shared_expert_intermediate_size" not in self.extra_args and config.moe_shared_expert_intermediate_size != shared:
+            fix.update(moe_shared_expert_intermediate_size=shared)
+        return dataclasses.replace(config, **fix) if fix else config
+
+    return [AttrPatch(GLM4MoEBridge, "_build_config", _build_config,
+                      "mbridge drops GLM-4.5's expert groups and sizes its shared experts for one")]
 
 
 def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
@@ -340,5 +380,6 @@ def compat_patches() -> list[AttrPatch]:
         + qwen_moe_norm_topk_prob()
         + qwen2_moe_shared_expert_gate()
         + mixtral_router_renormalise()
+        + glm4_moe_router_and_shared_experts()
         + tied_embedding_mapping_per_bridge()
     )

@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
 
-TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral")
+TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 """The architectures :func:`tiny_hf_config` knows."""
 
 
@@ -77,6 +77,25 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 router_jitter_noise=0.0,
             ),
         ),
+        "glm4_moe": (  # GLM-4.5: layer 0 dense, then sigmoid-routed experts with a score-correction bias,
+            # group-limited top-k, routed scaling and a shared expert; qk-norm, qkv biases, RoPE on half the head dim
+            "Glm4MoeConfig",
+            dict(
+                head_dim=16,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                n_group=2,
+                topk_group=1,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+                first_k_dense_replace=1,
+                use_qk_norm=True,
+                attention_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+            ),
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
@@ -101,7 +120,9 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     ``"qwen3_moe"`` (4 experts, top-2, normalised top-k probs), ``"qwen2_moe"`` (4 experts,
     top-2, unnormalised top-k probs, a shared expert of FFN 32 behind a sigmoid gate, qkv
     biases), ``"mixtral"`` (4 experts of FFN 32, top-2, renormalised top-k probs, no sliding
-    window). Defaults: hidden 64,
+    window), ``"glm4_moe"`` (GLM-4.5: layer 0 dense, then 4 sigmoid-routed experts of FFN 32 with a
+    score-correction bias, 2 groups of which 1 is chosen, top-2, routed scaling 2.5, one shared expert;
+    qk-norm, qkv biases, RoPE on half of each head). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around 1 and
@@ -124,6 +145,9 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
                 noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
                 is_norm = param.ndim == 1 and "norm" in name
                 param.copy_(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
+            for name, buffer in model.named_buffers():  # GLM-4.5's router score-correction bias is a buffer
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen, dtype=buffer.dtype))
         model.save_pretrained(path)
     if dist.is_initialized():
         dist.barrier()

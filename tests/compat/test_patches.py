@@ -45,6 +45,7 @@ PIECES = [
     mbridge_patches.qwen_moe_norm_topk_prob,
     mbridge_patches.qwen2_moe_shared_expert_gate,
     mbridge_patches.mixtral_router_renormalise,
+    mbridge_patches.glm4_moe_router_and_shared_experts,
     mbridge_patches.tied_embedding_mapping_per_bridge,
     megatron_core_patches.moe_te_general_gemm,
     megatron_core_patches.torch_optimizers_without_cuda,
@@ -228,6 +229,22 @@ def test_mixtral_router_renormalises_top_k(tmp_path, cpu_dist):
     bridge.extra_args.pop("moe_router_pre_softmax")
     bridge.set_extra_args(attention_dropout=0.0)  # rebuilt after the block: the fix stays
     assert not bridge.config.moe_router_pre_softmax
+    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+
+
+def test_glm4_moe_routes_within_groups_and_sizes_its_shared_experts(tmp_path, cpu_dist):
+    """mbridge 0.15.1 drops GLM-4.5's n_group / topk_group and sizes the shared experts for one; with two
+    groups of which one is chosen and two shared experts the logits then differ from HF's."""
+    path = save_tiny_hf_checkpoint("glm4_moe", tmp_path, n_shared_experts=2)
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        bridge, chunks = build_flat_model(path)
+        with torch.no_grad():
+            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        config = bridge.config
+        assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+        assert config.moe_shared_expert_intermediate_size == 64 and not config.moe_shared_expert_gate
+        assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
     assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
 
 

@@ -108,7 +108,7 @@ def test_tree_model_needs_position_ids(checkpoints, forest):
 
 GRAD_CASES = [("qwen3", "none"), ("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective"),
               ("qwen3_moe", "full"), ("qwen2_moe", "none"), ("qwen2_moe", "full"),
-              ("mixtral", "none"), ("mixtral", "full")]
+              ("mixtral", "none"), ("mixtral", "full"), ("glm4_moe", "none"), ("glm4_moe", "full")]
 
 
 @pytest.mark.parametrize("arch,recompute", GRAD_CASES)
@@ -141,7 +141,8 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest,
 
 # EP=2 checks log-probs only: expert-parallel backward needs CUDA buffers the CPU shim cannot
 # map inside backward (see tests/scripts/parity_dist.py).
-DIST_CASES = ["tp2:qwen3:full", "ep2:qwen3_moe:forward", "ep2:qwen2_moe:forward", "ep2:mixtral:forward"]
+DIST_CASES = ["tp2:qwen3:full", "ep2:qwen3_moe:forward", "ep2:qwen2_moe:forward", "ep2:mixtral:forward",
+              "ep2:glm4_moe:forward"]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +178,7 @@ def test_patch_leaves_nothing_behind(checkpoints):
     assert sum(isinstance(m, TreeCoreAttention) for m in tree.modules()) == 2
 
 
+@pytest.mark.gpu  # the TE spec needs CUDA
 def test_te_checkpoints_move_between_tree_and_upstream(checkpoints):
     """On the TE spec a tree model's state dict (torch and megatron dist checkpointing) has the
     upstream model's keys, TE's ``core_attention._extra_state`` included: strict loads both ways."""

@@ -61,11 +61,16 @@ def _device(model) -> torch.device:
 
 
 def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
-    """Log-probs of every sequence held by the tree micro-batches ``mbs`` (on the model's device)."""
+    """Log-probs of every sequence held by the tree micro-batches ``mbs`` (on the model's device); MoE models get
+    the tree's ``padding_mask`` (router statistics weighted by sharing), as ``tree_forward_step`` passes it."""
+    from megatron_tree.mcore.router_stats import tree_padding_mask
+
     out = {}
+    moe = bool(getattr(getattr(model, "config", None), "num_moe_experts", None))
     for mb in mbs:
         mb = mb.to(_device(model))
-        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+        extra = {"padding_mask": tree_padding_mask(mb)} if moe else {}
+        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask, **extra)
         lp = gather_tree_logprobs(logits, mb, tp_group=_tp_group())
         for k, sid in enumerate(mb.sequence_ids):
             out[sid] = lp[mb.cu_targets[k] : mb.cu_targets[k + 1]]
