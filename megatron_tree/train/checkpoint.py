@@ -71,23 +71,95 @@ def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict |
 
 def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: dict[str, Any]) -> str:
     """Save the run after ``iteration`` steps under ``root``; returns the checkpoint directory.
-    ``data`` is the rollout source's position. An existing checkpoint of that iteration is replaced."""
+    ``data`` is the rollout source's position.
+
+    Safe against a kill at any instant: the checkpoint is written into a staging folder
+    (``.iter_NNNNNNN.saving``) and renamed into place once every rank has finished; an existing
+    checkpoint of that iteration is moved aside only then (and deleted after); the tracker file is
+    replaced atomically (temporary file, fsync, rename) last. A kill leaves the previous tracker and
+    checkpoints intact, or at worst a tracker naming a missing checkpoint, which :func:`resolve_checkpoint`
+    steps over to the newest complete one.
+    """
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, iteration)
+    staging = os.path.join(root, f".{os.path.basename(path)}.saving")
     if dist.get_rank() == 0:
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.makedirs(path)
+        if os.path.isdir(staging):  # left by a save that was killed
+            shutil.rmtree(staging)
+        os.makedirs(staging)
     dist.barrier()
     state = _sharded_state_dict(model, optimizer, is_loading=False, rng=_rng_state())
-    state.update(iteration=iteration, data=data, world_size=dist.get_world_size())
-    dist_checkpointing.save(state, path)
+    state.update(iteration=iteration, data=data, world_size=dist.get_world_size(), model_config=model_signature(model))
+    dist_checkpointing.save(state, staging)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(root, TRACKER_FILE), "w") as f:
-            f.write(str(iteration))
+        replaced = os.path.join(root, f".{os.path.basename(path)}.replaced")
+        if os.path.isdir(path):
+            if os.path.isdir(replaced):
+                shutil.rmtree(replaced)
+            os.rename(path, replaced)
+        os.rename(staging, path)
+        _fsync_dir(root)
+        _write_atomically(os.path.join(root, TRACKER_FILE), str(iteration))
+        if os.path.isdir(replaced):
+            shutil.rmtree(replaced)
+    dist.barrier()
     return path
+
+
+_SIGNATURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                     "moe_shared_expert_intermediate_size", "moe_layer_freq", "qk_layernorm", "add_qkv_bias",
+                     "normalization", "gated_linear_unit", "params_dtype")
+
+
+def model_signature(model: list) -> dict[str, str]:
+    """What a checkpoint must match to be loaded into ``model``: vocabulary size, position embedding (RoPE base
+    and share), and the ``TransformerConfig`` fields that shape its weights or dtype, as strings. Saved in
+    ``common.pt``; :func:`load_checkpoint` refuses a checkpoint whose signature differs (the padded vocabulary,
+    for one, lets a checkpoint of another vocabulary size load silently)."""
+    from megatron.core.utils import unwrap_model
+
+    chunk = unwrap_model(model)[0]
+    rope = getattr(chunk, "rotary_pos_emb", None)
+    rope = getattr(rope, "inner", rope)  # a tree model's TreeRotaryEmbedding wraps the upstream one
+    signature = {name: repr(getattr(chunk.config, name, None)) for name in _SIGNATURE_FIELDS}
+    signature.update(vocab_size=repr(getattr(chunk, "vocab_size", None)),
+                     position_embedding_type=repr(getattr(chunk, "position_embedding_type", None)),
+                     rotary=repr(None if rope is None else (len(rope.inv_freq), round(float(rope.inv_freq[-1]), 12))))
+    return signature
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``: a temporary file beside it, fsync, rename, fsync of the folder."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _complete_iterations(root: str) -> list[int]:
+    """Iterations of the complete ``iter_NNNNNNN`` checkpoints under ``root``, ascending."""
+    from megatron.core import dist_checkpointing
+
+    found = []
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name[5:].isdigit():
+            if dist_checkpointing.check_is_distributed_checkpoint(os.path.join(root, name)):
+                found.append(int(name[5:]))
+    return sorted(found)
 
 
 def saved_iteration(root: str) -> str | None:
@@ -105,9 +177,12 @@ def check_save_dir(save: str | None, load: str | None) -> None:
     if save is None or load is not None:
         return
     latest = saved_iteration(save)
-    if latest is not None:
-        raise ValueError(f"--save {save} already holds checkpoints up to iteration {latest}: pass --load {save} to "
-                         f"resume, or choose an empty --save directory")
+    complete = _complete_iterations(save) if os.path.isdir(save) else []
+    if latest is None and not complete:
+        return
+    held = latest if latest and latest.isdigit() else f"{complete[-1] if complete else '?'} (its {TRACKER_FILE} is damaged)"
+    raise ValueError(f"--save {save} already holds checkpoints up to iteration {held}: pass --load {save} to "
+                     f"resume, or choose an empty --save directory")
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -118,13 +193,29 @@ def resolve_checkpoint(path: str) -> str:
         return path
     tracker = os.path.join(path, TRACKER_FILE)
     if not os.path.isfile(tracker):
+        if os.path.isdir(path) and _complete_iterations(path):
+            return _newest_complete(path, f"it has no {TRACKER_FILE}")
         raise ValueError(f"--load {path!r}: neither a checkpoint nor a directory with {TRACKER_FILE}; pass the "
                          f"--save directory of an earlier run or one of its iter_NNNNNNN folders")
     with open(tracker) as f:
-        latest = iteration_dir(path, int(f.read().strip()))
+        text = f.read().strip()
+    if not text.isdigit():
+        return _newest_complete(path, f"its {TRACKER_FILE} holds {text[:40]!r}, not an iteration")
+    latest = iteration_dir(path, int(text))
     if not dist_checkpointing.check_is_distributed_checkpoint(latest):
-        raise ValueError(f"--load {path!r}: {TRACKER_FILE} names {latest}, which is not a complete checkpoint")
+        return _newest_complete(path, f"its {TRACKER_FILE} names {latest}, which is not a complete checkpoint")
     return latest
+
+
+def _newest_complete(root: str, why: str) -> str:
+    """The newest complete checkpoint under ``root`` (a warning says ``why`` the tracker was not followed)."""
+    found = _complete_iterations(root)
+    if not found:
+        raise ValueError(f"--load {root!r}: {why}, and no complete iter_NNNNNNN checkpoint is there; pass a "
+                         f"checkpoint folder, or start a new run without --load")
+    chosen = iteration_dir(root, found[-1])
+    warnings.warn(f"--load {root}: {why}; resuming from the newest complete checkpoint, {chosen}", stacklevel=3)
+    return chosen
 
 
 def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, Any], bool]:
@@ -138,6 +229,13 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
     path = resolve_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(path)
     state = _sharded_state_dict(model, optimizer, is_loading=True, rng=None)
+    saved = common.get("model_config")
+    if saved is not None:  # checkpoints written before the signature was saved hold none
+        wanted = model_signature(model)
+        diff = [f"{k} {saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v]
+        if diff:
+            raise ValueError(f"--load {path}: the checkpoint does not fit this model: {'; '.join(diff)}; resume with "
+                             f"the model config it was saved with")
     has_rng = common["world_size"] == dist.get_world_size()
     if not has_rng:
         del state["rng_state"]

@@ -95,7 +95,7 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, capsys):
     assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3_4layers.yaml"), "--load", str(tmp_path),
                  "--steps", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "iter_0000001: the checkpoint does not fit this model (Global shape mismatch" in err, err
+    assert "iter_0000001: the checkpoint does not fit this model: num_layers 2 (this run: 4);" in err, err
 
 
 def test_resuming_with_the_other_kind_of_data_is_refused_in_one_line(tmp_path, rollouts, capsys):
@@ -114,3 +114,64 @@ def test_resuming_with_the_other_kind_of_data_is_refused_in_one_line(tmp_path, r
     assert err == (f"megatron-tree-train: error: --load {tmp_path}/file/iter_0000001: the checkpoint was saved "
                    f"training on rollouts from data.path {rollouts!r}, but this run trains on synthetic rollouts "
                    f"(no data.path); pass --data-path {rollouts} to resume it, or start a new run without --load"), err
+
+
+class _Killed(Exception):
+    """Stands for the process dying at that instant (the files are left as they are)."""
+
+
+def _kill_at(monkeypatch, owner, name):
+    def die(*args, **kwargs):
+        raise _Killed(name)
+
+    monkeypatch.setattr(owner, name, die)
+
+
+@pytest.mark.parametrize("moment", ["shards", "tracker rename"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoints_and_tracker(tmp_path, monkeypatch, moment):
+    """Resumed from iter 1 into a --save whose tracker names 2, the re-save of 2 is killed while its shards are
+    written, or just before the tracker's rename: iter_0000002 and the tracker stay as they were, and --load DIR
+    resumes from them with the uninterrupted run's numbers."""
+    import megatron.core.dist_checkpointing as dist_checkpointing
+
+    from megatron_tree.train import checkpoint
+
+    save, common = tmp_path / "ckpt", ["--config", CONFIG, "--lr", "0.01"]
+    saving = ["--save", str(save), "--save-interval", "1"]
+    assert main([*common, *saving, "--steps", "3", "--log-jsonl", str(tmp_path / "full.jsonl")]) == 0
+    before = sorted(p.name for p in (save / "iter_0000002").iterdir())
+    with monkeypatch.context() as m:
+        _kill_at(m, *((dist_checkpointing, "save") if moment == "shards" else (checkpoint.os, "replace")))
+        with pytest.raises(_Killed):
+            main([*common, *saving, "--steps", "2", "--load", str(save / "iter_0000001")])
+    assert (save / checkpoint.TRACKER_FILE).read_text() == "3"
+    assert sorted(p.name for p in (save / "iter_0000002").iterdir()) == before
+    assert checkpoint.resolve_checkpoint(str(save)) == str(save / "iter_0000003")
+    assert main([*common, "--steps", "3", "--load", str(save / "iter_0000002"),
+                 "--log-jsonl", str(tmp_path / "resumed.jsonl")]) == 0
+    assert exact(records(tmp_path / "resumed.jsonl")) == exact(records(tmp_path / "full.jsonl")[2:])
+
+
+@pytest.mark.parametrize("tracker", ["", "garbage", "9"])
+def test_a_damaged_tracker_falls_back_to_the_newest_complete_checkpoint(tmp_path, tracker):
+    """An empty or garbled tracker, or one naming a checkpoint that is not there: --load DIR resumes from the
+    newest complete iter_* with a warning, and a fresh --save DIR still refuses to start over it."""
+    from megatron_tree.train import checkpoint
+
+    save = tmp_path / "ckpt"
+    assert main(["--config", CONFIG, "--steps", "2", "--save", str(save), "--save-interval", "1"]) == 0
+    (save / checkpoint.TRACKER_FILE).write_text(tracker)
+    with pytest.warns(UserWarning, match="resuming from the newest complete checkpoint, .*iter_0000002"):
+        assert checkpoint.resolve_checkpoint(str(save)) == str(save / "iter_0000002")
+    with pytest.raises(ValueError, match="already holds checkpoints up to iteration"):
+        checkpoint.check_save_dir(str(save), None)
+
+
+def test_a_checkpoint_of_another_vocabulary_is_refused_naming_it(tmp_path, capsys):
+    """vocab 160 and 200 pad to the same embedding shape, so the shards load; the saved signature refuses it."""
+    other = tmp_path / "vocab200.yaml"
+    other.write_text(open(CONFIG).read().replace("vocab_size: 160", "vocab_size: 200"))
+    assert main(["--config", CONFIG, "--steps", "1", "--save", str(tmp_path / "ckpt")]) == 0
+    assert main(["--config", str(other), "--load", str(tmp_path / "ckpt"), "--steps", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the checkpoint does not fit this model: vocab_size 160 (this run: 200)" in err, err
