@@ -5,6 +5,12 @@ Shape legend: n = sequences, N = next-token targets of all of them; sequence k o
 :func:`megatron_tree.gather_tree_logprobs`). ``loss_mask`` [N] (bool or 0/1) marks the
 targets that count, e.g. response tokens only; default all.
 
+The inputs that come from a rollout (old log-probs, advantages, old values, returns) must be finite
+everywhere, masked-out targets included (``0 * NaN`` is NaN, so one NaN would poison the whole loss):
+NaN or inf there raises ValueError naming the argument (one device sync per call). The tensors being
+trained (``logprobs``, ``values``) are not checked: a non-finite loss from the model itself is the
+caller's to catch (the launcher stops or skips that step before its optimizer step).
+
 Normalisation (``normalization=``), the same whether sequences come packed as trees or flat:
 
 - ``"token"``: sum of per-token losses / number of loss tokens. Matches flat training
@@ -41,6 +47,20 @@ def _check_tokens(name: str, value: torch.Tensor, like: torch.Tensor, like_name:
     if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.device != like.device:
         got = f"{type(value).__name__} shape {tuple(getattr(value, 'shape', ()))} on {getattr(value, 'device', '-')}"
         raise ValueError(f"{name} must be a tensor [N={like.numel()}] on {like.device} like {like_name}; got {got}.")
+
+
+def _check_finite(**tensors: torch.Tensor) -> None:
+    """ValueError naming the first of ``tensors`` (name=tensor [N], as the loss computes with it) that holds
+    NaN or inf, with its first bad entry; one device sync for all of them."""
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()
+    for (name, t), ok in zip(tensors.items(), finite):
+        if not ok:
+            bad = (~torch.isfinite(t)).nonzero()[:, 0]
+            raise ValueError(
+                f"{name} must be finite ({t.dtype}); {bad.numel()} of its {t.numel()} entries are NaN or inf, the "
+                f"first [{int(bad[0])}] = {float(t[bad[0]])}. Fix or drop the rollouts they come from (masked-out "
+                f"targets count too: 0 * NaN is NaN)."
+            )
 
 
 def _reduce(
@@ -119,6 +139,10 @@ def ppo_clip_loss(
       old_logprobs:  [N] log-probs of the policy that sampled the tokens (no grad needed).
       advantages:    [N] per token. GRPO's per-sequence advantages ``adv [n]``:
                      ``adv.repeat_interleave(cu_seqlens.diff(), output_size=N)``.
+                     ``old_logprobs`` and ``advantages`` (in logprobs' dtype) must be finite
+                     everywhere, masked-out targets included: NaN / inf raises ValueError naming
+                     the argument (a log-prob missing from a rollout is the caller's to fill, e.g.
+                     with the current one, ratio 1, as the launcher does).
       cu_seqlens:    [n+1] int offsets of the sequences in the [N] tensors.
       loss_mask:     [N] bool/0-1, targets that count (default all).
       clip_eps:      lower clip range; ``clip_eps_high`` the upper one (default = clip_eps;
@@ -149,9 +173,11 @@ def ppo_clip_loss(
     _check_tokens("old_logprobs", old_logprobs, logprobs)
     _check_tokens("advantages", advantages, logprobs)
 
+    adv = advantages.detach().to(logprobs.dtype)
+    _check_finite(old_logprobs=old_logprobs, advantages=adv)
+
     log_ratio = logprobs - old_logprobs.detach()
     ratio = log_ratio.exp()
-    adv = advantages.detach().to(logprobs.dtype)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -182,7 +208,10 @@ def value_loss(
       values:     [N] the critic's values being trained (differentiable), in the log-prob layout
                   (:func:`megatron_tree.ops.values.gather_tree_values`).
       old_values: [N] the critic's values when the rollout was scored (no grad needed).
-      returns:    [N] value targets (e.g. GAE advantages + old values).
+      returns:    [N] value targets (e.g. GAE advantages + old values). ``old_values`` and
+                  ``returns`` (in values' dtype; ``old_values`` only where clipping uses them) must be
+                  finite everywhere, masked-out targets included: NaN / inf raises ValueError
+                  naming the argument.
       cu_seqlens: [n+1] int offsets of the sequences in the [N] tensors.
       loss_mask:  [N] bool/0-1, targets that count (default all).
       clip_eps:   > 0: how far ``values`` may move from ``old_values`` before the clipped
@@ -200,12 +229,13 @@ def value_loss(
     _check_tokens("old_values", old_values, values, "values")
     _check_tokens("returns", returns, values, "values")
 
-    target = returns.detach().to(values.dtype)
+    target, old = returns.detach().to(values.dtype), old_values.detach().to(values.dtype)
+    _check_finite(returns=target, **({} if clip_eps is None else {"old_values": old}))
+
     unclipped = (values - target).square()
     if clip_eps is None:
         per_token, clipped_taken = unclipped, torch.zeros_like(unclipped)
     else:
-        old = old_values.detach().to(values.dtype)
         clipped = (old + (values - old).clamp(-clip_eps, clip_eps) - target).square()
         per_token, clipped_taken = torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype)
     loss, normalizer, mask = _reduce(0.5 * per_token, cu_seqlens, loss_mask, normalization, reduction)

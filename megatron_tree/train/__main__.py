@@ -47,6 +47,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--attention-backend": ("train.attention_backend", {"choices": list(config.BACKENDS)}),
     "--bf16": ("train.bf16", {}),
     "--verify-tree-model": ("train.verify_tree_model", {}),
+    "--skip-nonfinite": ("train.skip_nonfinite", {}),
     "--save": ("checkpoint.save", {"metavar": "DIR"}),
     "--save-interval": ("checkpoint.save_interval", {}),
     "--load": ("checkpoint.load", {"metavar": "DIR"}),

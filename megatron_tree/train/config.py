@@ -19,6 +19,7 @@ value and what is valid (``RunConfig.from_yaml`` prefixes the file name). Each f
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -50,7 +51,7 @@ class _Section:
     """Base of the config sections: checks every field against its annotation (``int``,
     ``float``, ``bool``, ``str``, ``tuple[int, int]``, ``dict``, ``X | None``), converts YAML
     lists to tuples, ints to floats and numbers PyYAML left as strings (``3e-3``) where declared,
-    then runs :meth:`_check`."""
+    refuses NaN and inf in number fields (YAML ``.inf``, ``--lr inf``), then runs :meth:`_check`."""
 
     SECTION = ""
 
@@ -130,6 +131,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         raise TypeError(f"{where}: unsupported annotation {hint!r}")
     if not ok:
         raise ValueError(f"{where} must be {_describe(hint)}, got {value!r}")
+    if hint is float and not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
     return float(value) if hint is float else value
 
 
@@ -246,6 +249,9 @@ class TrainConfig(_Section):
                                     f"backend proven exact on its shape)")
     verify_tree_model: bool = _field(False, "at start-up, check tree log-probs and parameter gradients against "
                                      "per-sequence runs on the dense reference attention (verify_tree_model)")
+    skip_nonfinite: bool = _field(False, "a step whose loss or gradient norm is NaN / inf skips its optimizer step "
+                                  "(weights unchanged, record skipped: true); false: the run stops with an error "
+                                  "before that optimizer step")
 
     def _check(self) -> None:
         self._need(self.steps >= 1, "steps", "an int >= 1")

@@ -4,7 +4,7 @@ A rollout file holds one sequence per line (JSONL) or row (Parquet)::
 
     input_ids     list[int]    required; token ids in [0, vocab), 1 <= len <= max_tokens_per_mb
     loss_mask     list[0|1]    optional, len(input_ids); 1 = train on this token (default: all)
-    old_logprobs  list[float]  optional, len(input_ids); log p(token i | tokens < i) under the
+    old_logprobs  list[float]  optional, len(input_ids); log p(token i | tokens < i) <= 0 under the
                                policy that sampled it (default: the current policy's, ratio 1)
     ref_logprobs  list[float]  optional, len(input_ids); same under the reference policy (KL term)
     group         int | str    optional; consecutive rows with one group id are one group
@@ -234,6 +234,10 @@ def _token_array(value: Any, name: str, length: int | None, where: str) -> np.nd
     if length is not None and arr.size != length:
         raise ValueError(f"{where}: field {name!r} has {arr.size} entries but input_ids has {length}; "
                          f"per-token fields are aligned with input_ids")
+    if name in ("old_logprobs", "ref_logprobs") and (arr > 0).any():
+        i = int(np.argmax(arr > 0))
+        raise ValueError(f"{where}: field {name!r} entry {i} is {float(arr[i])} > 0, not a log-probability (log p <= 0); "
+                         f"pass log p of each token, not p or -log p")
     return arr.astype({"input_ids": np.int64, "loss_mask": bool}.get(name, np.float32), copy=False)
 
 

@@ -1,6 +1,6 @@
 """Where the launcher's per-step records go: console, JSONL, TensorBoard, Weights & Biases.
 
-A record is a flat dict (``step`` 1-based, ``loss``, ``grad_norm``, ``tokens_per_s``,
+A record is a flat dict (``step`` 1-based, ``loss``, ``grad_norm``, ``skipped``, ``tokens_per_s``,
 ``tree_token_ratio``, ``mb_imbalance``, ``dp_tree_token_imbalance``, ``peak_mem_gib``, ...;
 see ``megatron_tree.train.trainer.step_record``). Sinks live on rank 0 only. TensorBoard and
 wandb get the record's numeric scalars; JSONL gets the whole record, one line per step.
@@ -36,6 +36,7 @@ def format_line(record: dict[str, Any], steps: int) -> str:
         f"{record['dp_tree_token_imbalance']:.3f}"
         + (f" | cp pair imbalance {record['cp_pair_imbalance']:.3f}" if "cp_pair_imbalance" in record else "")
         + f" | peak mem {record['peak_mem_gib']:.2f} GiB"
+        + (" | skipped" if record["skipped"] else "")
     )
 
 

@@ -9,8 +9,9 @@ sequence its own chain; the numbers agree):
 2. per-token rewards on each sequence's loss tokens: ``-kl_coef * (old - ref)`` (a KL penalty
    to the reference), plus the sequence's score at its last loss token;
 3. GAE over each sequence's loss tokens (:func:`gae`): advantages, returns = advantages + values;
-4. the actor's update (PPO-clip on the advantages) and the critic's (clipped value loss on the
-   returns), one optimizer step each.
+4. the actor's and the critic's backward passes (PPO-clip on the advantages, clipped value loss on
+   the returns), then, when both losses and gradient norms are finite, one optimizer step each (the
+   launcher's ``may_update`` decides otherwise: stop the run, or skip both updates).
 
 Models (:func:`build_ppo_models`): the reference is a frozen copy of the actor as the run starts;
 the critic and the reward model are value-head models (``build_tree_model(value_head=True)``),
@@ -21,7 +22,7 @@ one, the actor's checkpoint with a fixed-seed value head (a deterministic stand-
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -93,31 +94,22 @@ def gae(
     return advantages[valid], (advantages + v)[valid]
 
 
-def _global_loss(losses: list[dict], device) -> tuple[float, int]:
-    """(loss sum / count, count) over the whole job from Megatron's per-micro-batch loss dicts
-    (filled on last pipeline stages, once per TP rank)."""
-    from megatron.core import parallel_state as ps
-
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for item in losses:
-        total += item["loss"].to(total)
-    dist.all_reduce(total)
-    total /= ps.get_tensor_model_parallel_world_size()
-    return float(total[0] / total[1].clamp(min=1)), int(total[1])
-
-
 def ppo_step(
-    cfg, actor, actor_optimizer, models: PPOModels, mbs, loss_masks: list[np.ndarray] | None, *, tree: bool
+    cfg, actor, actor_optimizer, models: PPOModels, mbs, loss_masks: list[np.ndarray] | None, *, tree: bool,
+    may_update: Callable[[str | None], bool],
 ) -> dict:
     """One PPO step on this rank's micro-batches ``mbs`` (their ``sequence_ids`` index this rank's
     sequences); ``loss_masks``: per sequence bool [L] aligned with its tokens (entry 0 unused), or
-    None for all tokens; ``tree=False``: upstream models on THD-packed flat micro-batches. Returns
-    Megatron's actor ``losses``, the actor's ``grad_norm`` and the step's PPO metrics (the same on
-    every rank)."""
+    None for all tokens; ``tree=False``: upstream models on THD-packed flat micro-batches.
+    ``may_update(problem)``: given :func:`~megatron_tree.train.trainer.nonfinite` of both models'
+    losses and gradient norms, whether to run the two optimizer steps (it may raise instead).
+    Returns the actor's ``loss``, ``loss_tokens``, ``grad_norm`` (None when ``skipped``) and the
+    step's PPO metrics (the same on every rank)."""
     from megatron.core import parallel_state as ps
 
     from megatron_tree.mcore.forward_only import flat_forward_only, tree_forward_only
     from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
+    from megatron_tree.train.trainer import loss_and_grad_norm, nonfinite
 
     t = cfg.train
     forward_only = tree_forward_only if tree else flat_forward_only
@@ -163,7 +155,9 @@ def ppo_step(
                              loss_mask=gather(masks, ids), clip_eps=t.value_clip, reduction="sum")  # fmt: skip
         return loss, m["normalizer"]
 
-    results = {}
+    # Both backward passes first (separate models and gradient buffers), so that a non-finite loss or
+    # gradient in either is found before any weight changes.
+    checked = {}
     for name, chunks, optimizer, loss_fn, head in [
         ("actor", actor, actor_optimizer, actor_loss, "logprobs"),
         ("critic", models.critic, models.critic_optimizer, critic_loss, "values"),
@@ -171,21 +165,23 @@ def ppo_step(
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = train_step(chunks, mbs, loss_fn, head=head)
-        _, grad_norm, _ = optimizer.step()
-        results[name] = (losses, grad_norm)
+        checked[name] = loss_and_grad_norm(train_step(chunks, mbs, loss_fn, head=head), chunks, device)
+    update = may_update(nonfinite({f"{name} loss": c[0] for name, c in checked.items()},
+                                  {f"{name} gradient norm": c[2] for name, c in checked.items()}))
+    norms = {name: optimizer.step()[1] if update else None
+             for name, optimizer in (("actor", actor_optimizer), ("critic", models.critic_optimizer))}
 
     # Per-sequence statistics over the data-parallel group (identical on TP / PP ranks).
     stats = torch.tensor([float(scores.sum()), len(old), float(kl.sum()), kl.numel()], dtype=torch.float64,
                          device=device)  # fmt: skip
     dist.all_reduce(stats, group=ps.get_data_parallel_group())
-    critic_loss_value, _ = _global_loss(results["critic"][0], device)
-    critic_norm = results["critic"][1]
     return dict(
-        losses=results["actor"][0],
-        grad_norm=results["actor"][1],
-        critic_loss=critic_loss_value,
-        critic_grad_norm=float(critic_norm) if critic_norm is not None else None,
+        loss=checked["actor"][0],
+        loss_tokens=checked["actor"][1],
+        grad_norm=norms["actor"],
+        skipped=not update,
+        critic_loss=checked["critic"][0],
+        critic_grad_norm=float(norms["critic"]) if norms["critic"] is not None else None,
         score_mean=float(stats[0] / stats[1].clamp(min=1)),
         kl_mean=float(stats[2] / stats[3].clamp(min=1)),
     )

@@ -3,8 +3,9 @@
 Each step: draw a rollout batch (same on every rank), split it over data-parallel ranks by
 tree cost (``balance_across_ranks``), pack each rank's share into tree micro-batches
 (``pack_trees``; ``tree_training=False`` packs the same sequences flat, each its own chain),
-run ``tree_forward_backward`` with the configured loss, step Megatron's optimizer, write the
-step's record to the sinks, save a checkpoint when due.
+run ``tree_forward_backward`` with the configured loss, check that the loss and the gradients are
+finite (else stop the run, or with ``train.skip_nonfinite`` skip the update), step Megatron's
+optimizer, write the step's record to the sinks, save a checkpoint when due.
 
 :class:`Trainer` holds what the run opened (process groups, patches, CPU mode, a temporary
 model directory, sinks); :meth:`Trainer.close` releases all of it, also after an error.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import random
 import resource
@@ -144,22 +146,51 @@ def peak_memory_gib(cuda: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, cuda, slot_multiple) -> dict[str, Any]:
-    """Global (all-rank) metrics of step ``step`` (1-based); the loss is summed on the last
-    pipeline stage, then shared over the whole world so every rank reports the same value.
-    ``slot_multiple``: what the schedule pads micro-batches to (for the context-parallel balance)."""
+def loss_and_grad_norm(losses: list[dict], chunks: list[torch.nn.Module], device) -> tuple[float, int, float]:
+    """``(loss, loss tokens, gradient norm)`` of one model over the whole job, after its backward and before
+    its optimizer step, in one all-reduce. The loss: the sum over Megatron's per-micro-batch loss dicts
+    ``losses`` (filled on last pipeline stages, once per TP and CP rank) / their count. The norm: L2 over
+    every rank's DDP gradient buffers of ``chunks`` (after the data-parallel reduction); it counts each
+    data-parallel replica and tensor-parallel copy, so it is for the finiteness check only: NaN / inf
+    exactly when a gradient is (or the squares overflow, as in the optimizer's norm). Records log the
+    optimizer's norm."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(3, dtype=torch.float64, device=device)
+    for item in losses:
+        total[:2] += item["loss"].to(total)
+    grads = [b.grad_data for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
+    if grads:
+        total[2] = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum()
+    dist.all_reduce(total)
+    total[:2] /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+    loss_sum, count, grad_sq = total.tolist()
+    return loss_sum / max(count, 1.0), int(count), math.sqrt(grad_sq)
+
+
+def nonfinite(losses: dict[str, float], grad_norms: dict[str, float]) -> str | None:
+    """None when every value is finite; else what is not, then the finite losses, e.g.
+    ``"gradient norm nan (loss 5.07517)"`` (keys name the values: ``"loss"``, ``"critic loss"``)."""
+    values = {**losses, **grad_norms}
+    bad = [f"{name} {value}" for name, value in values.items() if not math.isfinite(value)]
+    if not bad:
+        return None
+    finite = [f"{name} {value:.6g}" for name, value in losses.items() if math.isfinite(value)]
+    return ", ".join(bad) + (f" ({', '.join(finite)})" if finite else "")
+
+
+def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, skipped, cuda,
+                slot_multiple) -> dict[str, Any]:
+    """Global (all-rank) metrics of step ``step`` (1-based): ``loss`` and ``loss_tokens`` as
+    :func:`loss_and_grad_norm` gives them (the same on every rank), ``grad_norm`` the optimizer's
+    (None where it gives none or the update was ``skipped``). ``slot_multiple``: what the schedule
+    pads micro-batches to (for the context-parallel balance)."""
     from megatron.core import parallel_state as ps
 
     device = "cuda" if cuda else "cpu"
-    num = torch.zeros(3, dtype=torch.float64, device=device)
-    for item in losses:
-        num[:2] += item["loss"].to(num)
-    num[2] = peak_memory_gib(cuda)
     stats = PackingStats.of(mbs, spec.max_tokens_per_mb)
     tokens = torch.tensor([stats.original_tokens, stats.tree_tokens], dtype=torch.float64, device=device)
-    dist.all_reduce(num[:2])  # only last-stage ranks of each DP replica contribute, once per TP and CP rank
-    num[:2] /= ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
-    peak = num[2:].clone()
+    peak = torch.tensor([peak_memory_gib(cuda)], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dp_group = ps.get_data_parallel_group()
     per_rank = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(ps.get_data_parallel_world_size())]
@@ -170,9 +201,10 @@ def step_record(step, losses, mbs, spec, seqs, shares, step_s, pack_s, grad_norm
     rank_tokens = [sum(len(seqs[i]) for i in idx) for idx in shares]
     return dict(
         step=step,
-        loss=float(num[0] / num[1].clamp(min=1)),
-        loss_tokens=int(num[1]),
+        loss=loss,
+        loss_tokens=loss_tokens,
         grad_norm=float(grad_norm) if grad_norm is not None else None,
+        skipped=skipped,
         step_s=step_s,
         pack_s=pack_s,
         tokens_per_s=original / step_s,
@@ -411,23 +443,45 @@ class Trainer:
             self.optimizer.zero_grad()
             run = tree_forward_backward if self.tree_model else flat_forward_backward
             losses = run(self.model, mbs, make_loss_fn(self.cfg.train, batch, mine))
-            _, grad_norm, _ = self.optimizer.step()
+            loss, loss_tokens, norm = loss_and_grad_norm(losses, self.model, "cuda" if self.cuda else "cpu")
+            skipped = not self.may_update(nonfinite({"loss": loss}, {"gradient norm": norm}))
+            grad_norm = None if skipped else self.optimizer.step()[1]
         else:  # every model pass of a PPO step (megatron_tree.train.ppo)
             from megatron_tree.train.ppo import ppo_step
 
             masks = None if batch.loss_mask is None else [batch.loss_mask[i] for i in mine]
-            extra = ppo_step(self.cfg, self.model, self.optimizer, self.ppo, mbs, masks, tree=self.tree_model)
-            losses, grad_norm = extra.pop("losses"), extra.pop("grad_norm")
+            extra = ppo_step(self.cfg, self.model, self.optimizer, self.ppo, mbs, masks, tree=self.tree_model,
+                             may_update=self.may_update)
+            loss, loss_tokens, grad_norm, skipped = (extra.pop(k) for k in ("loss", "loss_tokens", "grad_norm",
+                                                                            "skipped"))
         if self.cuda:
             torch.cuda.synchronize()
         self.iteration += 1
         from megatron_tree.mcore.schedule import schedule_slot_multiple
 
-        record = step_record(self.iteration, losses, mbs, self.spec, seqs, shares, time.perf_counter() - t0, pack_s,
-                             grad_norm, self.cuda, schedule_slot_multiple(self.model[0])) | extra
+        record = step_record(self.iteration, loss, loss_tokens, mbs, self.spec, seqs, shares,
+                             time.perf_counter() - t0, pack_s, grad_norm, skipped, self.cuda,
+                             schedule_slot_multiple(self.model[0])) | extra
         for sink in self.sinks:
             sink.write(record)
         return record
+
+    def may_update(self, problem: str | None) -> bool:
+        """Whether the coming step (``iteration + 1``) may run its optimizer step, given ``problem``
+        (:func:`nonfinite` of its losses and gradient norms): True without one; with one, False under
+        ``train.skip_nonfinite`` (logged), else ValueError, one line. Nothing has changed the weights
+        yet: the run stops before that step's optimizer step, checkpoint and export."""
+        if problem is None:
+            return True
+        step = self.iteration + 1
+        if self.cfg.train.skip_nonfinite:
+            self._info(f"step {step}: non-finite {problem}: update skipped (train.skip_nonfinite), weights unchanged")
+            return False
+        raise ValueError(
+            f"step {step}: non-finite {problem}; the run stopped before its optimizer step: nothing of step {step} "
+            f"reaches the weights, a checkpoint or an export. Lower the learning rate (--lr, now {self.cfg.train.lr:g}), check the rollouts' advantages and "
+            f"log-probs, or pass --skip-nonfinite to skip such updates"
+        )
 
     def export_hf(self, path: str) -> None:
         """Write the current weights as a Hugging Face checkpoint to ``path`` (mbridge; rank 0 writes)."""

@@ -127,3 +127,26 @@ def test_bad_inputs():
         sft_loss(new, cu.float())
     with pytest.raises(ValueError, match="logprobs must be a 1-D float tensor"):
         sft_loss(new[None], cu)
+
+
+@pytest.mark.parametrize("name, bad", [("advantages", float("nan")), ("advantages", float("inf")),
+                                       ("old_logprobs", float("nan")), ("old_logprobs", float("-inf"))])
+def test_non_finite_rollout_inputs_are_refused_by_name(name, bad):
+    """NaN / inf in old log-probs or advantages is refused, on a masked-out target too (0 * NaN would
+    make the whole loss NaN); the message names the argument and the first bad entry."""
+    new, old, adv, cu, mask = _batch()
+    inputs = {"old_logprobs": old.clone(), "advantages": adv.clone()}
+    masked_out = int((~mask).nonzero()[0, 0])
+    inputs[name][masked_out] = bad
+    with pytest.raises(ValueError, match=rf"^{name} must be finite .*1 of its 17 entries are NaN or inf, the first "
+                                         rf"\[{masked_out}\] = {bad}"):
+        ppo_clip_loss(new, inputs["old_logprobs"], inputs["advantages"], cu, loss_mask=mask)
+
+
+def test_advantages_are_checked_in_the_dtype_the_loss_uses():
+    """1e39 fits float64 but is inf in float32 (logprobs' dtype), where the loss computes with it."""
+    new, old, adv, cu, _ = _batch(dtype=torch.float32)
+    adv = adv.double()
+    adv[2] = 1e39
+    with pytest.raises(ValueError, match=r"advantages must be finite \(torch.float32\).* the first \[2\] = inf"):
+        ppo_clip_loss(new, old, adv, cu)

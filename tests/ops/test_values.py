@@ -113,3 +113,14 @@ def test_value_loss_refuses_bad_input():
         value_loss(new, old, ret[:-1], cu)
     with pytest.raises(ValueError, match="values must be a 1-D float tensor"):
         value_loss(new[None], old, ret, cu)
+
+
+def test_value_loss_refuses_non_finite_returns_and_old_values():
+    new, old, ret, cu, mask = _value_batch()
+    with pytest.raises(ValueError, match=r"^returns must be finite .* the first \[0\] = nan"):
+        value_loss(new, old, torch.where(torch.arange(ret.numel()) == 0, float("nan"), ret), cu, loss_mask=mask)
+    bad_old = old.clone()
+    bad_old[3] = float("inf")
+    with pytest.raises(ValueError, match=r"^old_values must be finite .* the first \[3\] = inf"):
+        value_loss(new, bad_old, ret, cu)
+    value_loss(new, bad_old, ret, cu, clip_eps=None)  # unclipped: old values are not used

@@ -15,7 +15,7 @@ from dist_utils import REPO_ROOT, TorchrunCases, cpu_env
 from examples.make_rollouts import make_rollouts, write_rollouts
 from megatron_tree.train.__main__ import FLAGS, build_parser, main
 from megatron_tree.train.config import RunConfig
-from megatron_tree.train.trainer import check_layers
+from megatron_tree.train.trainer import Trainer, check_layers
 
 LAUNCHER = REPO_ROOT / "examples" / "train_tree.py"
 
@@ -114,6 +114,7 @@ def test_yaml_configs_load():
         ({"data": {"prompt_len": [5, 2]}}, "data.prompt_len must be [lo, hi]"),
         ({"data": {"prompt_len": 5}}, "data.prompt_len must be a list [an int, an int], got 5"),
         ({"train": {"lr": "fast"}}, "train.lr must be a number, got 'fast'"),
+        ({"train": {"lr": float("inf")}}, "train.lr must be a finite number, got inf"),  # YAML .inf
         ({"train": [1]}, "train must be a mapping"),
         ({"model": {"hf_overrides": {"hiden_size": 64}}}, "did you mean 'hidden_size' for 'hiden_size'?"),
         ({"model": {"hf_overrides": {"hidden_size": "big"}}}, "model.hf_overrides: Validation error for field 'hidden_size'"),
@@ -175,6 +176,7 @@ def test_layers_must_split_over_pipeline_stages():
     "argv, message",
     [
         (["--steps", "0"], "train.steps (--steps) must be an int >= 1, got 0"),
+        (["--lr", "inf"], "train.lr (--lr) must be a finite number, got inf"),
         (["--hf-path", "/nonexistent"], "model.hf_path (--hf-path) '/nonexistent' is not a Hugging Face checkpoint"),
         (["--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
         (["--tp", "2"], "world size 1 is not divisible by tp * pp * cp = 2 * 1 * 1"),
@@ -280,3 +282,52 @@ def test_wandb_online_without_an_api_key_is_one_line(tmp_path, capsys, monkeypat
     assert err[-1].startswith("megatron-tree-train: error: --wandb-project test: wandb cannot start a run (No API "
                               "key configured") and "pass --wandb-mode offline" in err[-1] and "wandb login" in err[-1]
     assert not any("Traceback" in line for line in err), err
+
+
+def test_a_non_finite_step_stops_the_run_before_its_update(tmp_path, capsys):
+    """--lr 1e4 makes the gradient norm NaN after a few steps: the run stops with one line naming the step,
+    the value and the fixes, exit status 1, before that step's optimizer step; the latest checkpoint is the
+    step before, no later one and no export is written."""
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    argv = ["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), "--lr", "1e4", "--steps", "8", "--save",
+            str(ckpt), "--save-interval", "1", "--export-hf", str(hf), "--log-jsonl", str(tmp_path / "log.jsonl")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not any("Traceback" in line for line in err), err
+    bad = re.fullmatch(r"megatron-tree-train: error: step (\d+): non-finite (loss|gradient norm) (nan|inf)\b.*; the run "
+                       r"stopped before its optimizer step: nothing of step \1 reaches the weights, a checkpoint or an "
+                       r"export\. Lower the learning rate \(--lr, now 10000\), check the rollouts' advantages and "
+                       r"log-probs, or pass --skip-nonfinite to skip such updates", err[-1])
+    assert bad, err[-1]
+    good = int(bad[1]) - 1
+    assert good >= 1  # at least one checkpoint before the bad step
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(good)
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{i:07d}" for i in range(1, good + 1)]
+    assert not list(hf.iterdir())
+    assert [r["step"] for r in records(tmp_path / "log.jsonl")] == list(range(1, good + 1))
+
+
+@pytest.mark.parametrize("loss", ["sft", "ppo"])
+def test_skip_nonfinite_leaves_the_weights_unchanged(capsys, loss):
+    """train.skip_nonfinite (--skip-nonfinite): a step with a NaN gradient norm skips its optimizer step (every
+    trained model's parameters stay as they were) and its record says skipped, grad_norm None; the run goes on."""
+    cfg = RunConfig.from_yaml(str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), {
+        "train": {"lr": 1e4, "steps": 5, "loss": loss, "skip_nonfinite": True}, "data": {"batch_size": 2},
+        "logging": {"progress": False}})
+    trainer = Trainer(cfg)
+    try:
+        models = [*trainer.model, *([] if trainer.ppo is None else trainer.ppo.critic)]
+        recs = []
+        for _ in range(cfg.train.steps):
+            before = [p.detach().clone() for m in models for p in m.parameters()]
+            recs.append(trainer.step(trainer.source.next_batch()))
+            same = all(torch.equal(a, p) for a, p in zip(before, (p for m in models for p in m.parameters())))
+            assert same == recs[-1]["skipped"], recs[-1]  # the first step moves the weights: the check can fail
+    finally:
+        trainer.close()
+    skipped = [r["step"] for r in recs if r["skipped"]]
+    assert skipped and skipped[0] > 1, [(r["step"], r["grad_norm"]) for r in recs]
+    assert all(r["grad_norm"] is None for r in recs if r["skipped"])
+    out = capsys.readouterr().out
+    assert f"step {skipped[0]}: non-finite " in out and "update skipped (train.skip_nonfinite), weights unchanged" in out
+    assert f" iteration    {skipped[0]}/5 |" in out and out.count("| skipped") == len(skipped)

@@ -94,6 +94,9 @@ def test_given_advantages_win_and_rows_without_group_are_their_own_group(tmp_pat
         ({"input_ids": [1, 2], "loss_mask": [0, 2]}, "field 'loss_mask' must be a non-empty list of 0/1 values"),
         ({"input_ids": [1, 2], "old_logprobs": ["a", "b"]}, "field 'old_logprobs' must be a non-empty list of finite"),
         ({"input_ids": [1, 2], "ref_logprobs": [0.0, float("nan")]}, "field 'ref_logprobs' must be a non-empty list"),
+        ({"input_ids": [1, 2, 3], "old_logprobs": [0.0, -0.5, 0.25]}, "line 2: field 'old_logprobs' entry 2 is 0.25 > "
+                                                                   "0, not a log-probability (log p <= 0)"),
+        ({"input_ids": [1, 2], "ref_logprobs": [0.0, 1.0]}, "line 2: field 'ref_logprobs' entry 1 is 1.0 > 0"),
         ({"input_ids": [1, 2], "reward": "high"}, "line 2: field 'reward' must be a finite number, got 'high'"),
         ({"input_ids": [1, 2], "advantages": 1.0}, "line 2: field 'advantages' is not a rollout field; did you mean "
                                                    "'advantage'?"),
