@@ -52,6 +52,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--save-interval": ("checkpoint.save_interval", {}),
     "--load": ("checkpoint.load", {"metavar": "DIR"}),
     "--export-hf": ("checkpoint.export_hf", {"metavar": "DIR"}),
+    "--export-overwrite": ("checkpoint.export_overwrite", {}),
     "--log-jsonl": ("logging.jsonl", {"metavar": "FILE"}),
     "--tensorboard-dir": ("logging.tensorboard_dir", {"metavar": "DIR"}),
     "--wandb-project": ("logging.wandb_project", {"metavar": "NAME"}),

@@ -94,18 +94,27 @@ def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: 
     dist_checkpointing.save(state, staging)
     dist.barrier()
     if dist.get_rank() == 0:
-        replaced = os.path.join(root, f".{os.path.basename(path)}.replaced")
-        if os.path.isdir(path):
-            if os.path.isdir(replaced):
-                shutil.rmtree(replaced)
-            os.rename(path, replaced)
-        os.rename(staging, path)
-        _fsync_dir(root)
-        _write_atomically(os.path.join(root, TRACKER_FILE), str(iteration))
-        if os.path.isdir(replaced):
-            shutil.rmtree(replaced)
+        move_into_place(staging, path, then=lambda: _write_atomically(os.path.join(root, TRACKER_FILE), str(iteration)))
     dist.barrier()
     return path
+
+
+def move_into_place(staging: str, path: str, *, then=None) -> None:
+    """Make the complete folder ``staging`` be ``path``: an existing ``path`` is moved aside (``.NAME.replaced``
+    beside it) only now, ``staging`` renamed to ``path``, ``then()`` run (the tracker's update), the old one deleted.
+    A kill at any instant leaves a complete ``path``, or the old one aside and the new one staged."""
+    parent, name = os.path.split(os.path.normpath(path))
+    replaced = os.path.join(parent, f".{name}.replaced")
+    if os.path.isdir(replaced):
+        shutil.rmtree(replaced)
+    if os.path.isdir(path):
+        os.rename(path, replaced)
+    os.rename(staging, path)
+    _fsync_dir(parent or ".")
+    if then is not None:
+        then()
+    if os.path.isdir(replaced):
+        shutil.rmtree(replaced)
 
 
 _SIGNATURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",

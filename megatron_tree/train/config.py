@@ -7,7 +7,7 @@ A config file has up to seven sections; every key is optional::
     micro_batch: {max_tokens_per_mb: 1024, ...}              # MicroBatchSpec fields
     data:        {path: rollouts.jsonl | .parquet}  or  {workload: grpo | multi_turn, batch_size: ..., ...}
     train:       {steps: 5, lr: 1.0e-3, seed: 0, loss: sft | grpo, ...}
-    checkpoint:  {save: DIR, save_interval: N, load: DIR, export_hf: DIR}
+    checkpoint:  {save: DIR, save_interval: N, load: DIR, export_hf: DIR, export_overwrite: bool}
     logging:     {jsonl: FILE, tensorboard_dir: DIR, wandb_project: NAME, wandb_mode: online | offline, progress: true}
 
 Every section checks its keys' types and values in ``__post_init__`` and :class:`RunConfig`
@@ -273,6 +273,7 @@ class CheckpointConfig(_Section):
     save_interval: int | None = _field(None, "save every N steps and after the last; null: after the last only")
     load: str | None = _field(None, "resume from this directory (its latest checkpoint) or one iter_NNNNNNN in it")
     export_hf: str | None = _field(None, "at the end, write the trained weights as a Hugging Face checkpoint here")
+    export_overwrite: bool = _field(False, "export_hf names a non-empty directory: replace its contents (else refused)")
 
     def _check(self) -> None:
         self._need(self.save_interval is None or self.save_interval >= 1, "save_interval", "null or an int >= 1")

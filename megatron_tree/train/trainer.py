@@ -372,13 +372,26 @@ class Trainer:
                 raise ValueError(f"logging.jsonl (--log-jsonl) {log.jsonl!r} is a directory; pass a file path")
             dirs.append(("logging.jsonl (--log-jsonl)", log.jsonl, os.path.dirname(os.path.abspath(log.jsonl))))
         dirs.append(("logging.tensorboard_dir (--tensorboard-dir)", log.tensorboard_dir, log.tensorboard_dir))
+        if ckpt.export_hf and os.path.isdir(ckpt.export_hf) and os.listdir(ckpt.export_hf) and not ckpt.export_overwrite:
+            held = sorted(os.listdir(ckpt.export_hf))
+            raise ValueError(f"checkpoint.export_hf (--export-hf) {ckpt.export_hf!r} is not empty ({len(held)} entries, "
+                             f"e.g. {held[0]!r}): files of an earlier export would sit beside the new ones and "
+                             f"transformers may load them; choose an empty directory or pass --export-overwrite "
+                             f"(checkpoint.export_overwrite) to replace its contents")
         for name, path, directory in dirs:
             if path:
+                what = "the directory" if directory == path else f"its directory {directory!r}"
                 try:
                     os.makedirs(directory, exist_ok=True)
                 except OSError as e:
-                    what = "the directory" if directory == path else f"its directory {directory!r}"
                     raise ValueError(f"{name} {path!r}: cannot create {what} ({_why_not_dir(directory, e)})") from None
+                if not os.access(directory, os.W_OK | os.X_OK):
+                    raise ValueError(f"{name} {path!r}: {what} is not writable by this process; fix its permissions "
+                                     f"or choose another path")
+        parent = ckpt.export_hf and os.path.dirname(os.path.abspath(ckpt.export_hf))
+        if parent and not os.access(parent, os.W_OK | os.X_OK):  # the export is staged beside its directory
+            raise ValueError(f"checkpoint.export_hf (--export-hf) {ckpt.export_hf!r}: its parent directory {parent!r} "
+                             f"is not writable (the export is written beside it, then moved in); choose another path")
 
     def _open_sinks(self, config_source: str) -> None:
         log, resumed = self.cfg.logging, self.iteration > 0
@@ -484,8 +497,16 @@ class Trainer:
         )
 
     def export_hf(self, path: str) -> None:
-        """Write the current weights as a Hugging Face checkpoint to ``path`` (mbridge; rank 0 writes)."""
-        self.bridge.save_weights(self.model, path)
+        """Write the current weights as a Hugging Face checkpoint to ``path`` (mbridge; rank 0 writes): into a
+        staging folder beside it, which then replaces ``path``'s contents (nothing of an earlier export is left)."""
+        staging = f"{os.path.normpath(path)}.exporting"
+        if self.rank == 0 and os.path.isdir(staging):
+            shutil.rmtree(staging)
+        dist.barrier()
+        self.bridge.save_weights(self.model, staging)
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint.move_into_place(staging, path)
         dist.barrier()
         self._info(f"exported Hugging Face checkpoint {path}")
 

@@ -175,3 +175,22 @@ def test_a_checkpoint_of_another_vocabulary_is_refused_naming_it(tmp_path, capsy
     assert main(["--config", str(other), "--load", str(tmp_path / "ckpt"), "--steps", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the checkpoint does not fit this model: vocab_size 160 (this run: 200)" in err, err
+
+
+def test_export_into_an_earlier_export_is_refused_or_replaces_it_whole(tmp_path, capsys):
+    """An earlier export's single-file weights beside the new shards would be what transformers loads: a non-empty
+    --export-hf directory is refused before training, and with --export-overwrite nothing of the old export is left."""
+    from transformers import AutoModelForCausalLM
+
+    export, base = tmp_path / "hf", ["--config", CONFIG, "--lr", "0.01"]
+    assert main([*base, "--steps", "1", "--export-hf", str(export)]) == 0
+    (export / "stale.safetensors").write_bytes(b"old")
+    assert main([*base, "--steps", "2", "--export-hf", str(export)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is not empty" in err and "--export-overwrite" in err, err
+    assert main([*base, "--steps", "2", "--export-hf", str(export), "--export-overwrite",
+                 "--log-jsonl", str(tmp_path / "two.jsonl")]) == 0
+    assert not (export / "stale.safetensors").exists() and not list(tmp_path.glob(".hf*")) and not list(
+        tmp_path.glob("hf.exporting"))
+    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
