@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
@@ -272,11 +273,27 @@ def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: in
     return Rollout(input_ids=ids, **fields, **scalars, where=where)
 
 
+def file_fingerprint(path: str, chunk: int = 1 << 16) -> dict[str, Any]:
+    """``{"size", "sha256"}`` of ``path``: its size and a SHA-256 of its first and last ``chunk`` bytes (cheap for
+    files of any size; a resumed run's data file must be the one its checkpoint's position points into)."""
+    import hashlib
+
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(chunk))
+        if size > chunk:
+            f.seek(max(size - chunk, chunk))
+            digest.update(f.read(chunk))
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
 class FileSource:
     """Rollouts from a ``.jsonl`` or ``.parquet`` file, ``batch_size`` groups per step, streamed.
 
-    Position: ``{"epoch", "row", "offset", "path"}`` of the first row not yet used (``offset``: its byte
-    offset in a JSONL file). Rows of one group must be consecutive.
+    Position: ``{"epoch", "row", "offset", "path", "fingerprint"}`` of the first row not yet used (``offset``:
+    its byte offset in a JSONL file; ``fingerprint``: :func:`file_fingerprint`, compared at restore). Rows of one
+    group must be consecutive.
     """
 
     def __init__(self, path: str, *, batch_size: int, vocab: int, max_len: int, need_advantages: bool,
@@ -291,10 +308,17 @@ class FileSource:
             self._parquet_file()  # fail now on a missing pyarrow or a bad schema
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "row": self.row, "offset": self.offset, "path": self.path}
+        return {"epoch": self.epoch, "row": self.row, "offset": self.offset, "path": self.path,
+                "fingerprint": file_fingerprint(self.path)}
 
     def restore(self, state: dict[str, Any]) -> None:
         _check_position(state, "epoch", f"rollouts from data.path {self.path!r}")
+        saved = state.get("fingerprint")  # positions saved before fingerprints were: path only
+        if saved is not None and saved != file_fingerprint(self.path):
+            raise ValueError(f"the checkpoint's data position (row {state['row']}, byte {state['offset']}) is in "
+                             f"{state['path']!r} ({saved['size']} bytes), but data.path {self.path!r} is another file "
+                             f"or changed since ({file_fingerprint(self.path)['size']} bytes): resume with the file it "
+                             f"was saved with, or start a new run without --load")
         self.epoch, self.row, self.offset = int(state["epoch"]), int(state["row"]), int(state["offset"])
         self._rows, self._pending = None, None
 

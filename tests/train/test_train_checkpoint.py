@@ -194,3 +194,15 @@ def test_export_into_an_earlier_export_is_refused_or_replaces_it_whole(tmp_path,
         tmp_path.glob("hf.exporting"))
     _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_resuming_on_another_data_file_is_refused(tmp_path, rollouts, capsys):
+    """The saved byte offset means nothing in another file (a false parse error or a silent restart): the file's
+    fingerprint (size, hash of its ends) is saved with the position and compared at load."""
+    other = str(tmp_path / "other.jsonl")
+    write_rollouts(make_rollouts(prompts=6), other)
+    common = ["--config", CONFIG, "--batch-size", "3"]
+    assert main([*common, "--data-path", rollouts, "--steps", "1", "--save", str(tmp_path / "ckpt")]) == 0
+    assert main([*common, "--data-path", other, "--steps", "2", "--load", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"is in {rollouts!r}" in err and f"but data.path {other!r} is another file or changed since" in err, err

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from examples.make_rollouts import make_rollouts, write_rollouts
-from megatron_tree.train.data import FileSource, SyntheticSource, grpo_advantages
+from megatron_tree.train.data import FileSource, SyntheticSource, file_fingerprint, grpo_advantages
 from megatron_tree.train.config import DataConfig
 
 VOCAB = 160
@@ -148,7 +148,7 @@ def test_rows_are_read_as_a_stream(tmp_path):
     src = source(path, batch_size=2)
     assert len(src.next_batch().sequences) == 2
     assert src.state() == {"epoch": 0, "row": 2, "offset": len(("".join(json.dumps(r) + "\n" for r in rows[:2]))),
-                           "path": str(path)}
+                           "path": str(path), "fingerprint": file_fingerprint(str(path))}
 
 
 def test_synthetic_source_is_seeded_per_step():
