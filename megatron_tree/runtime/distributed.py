@@ -8,6 +8,8 @@ one-process group on a free local port. gloo without CUDA (models then run in
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 import socket
 from typing import Any
@@ -55,6 +57,7 @@ def init_distributed(
     etp: int | None = None,
     seed: int = 1234,
     backend: str | None = None,
+    timeout_minutes: float | None = None,
 ) -> None:
     """Initialise ``torch.distributed`` and megatron-core model parallelism.
 
@@ -63,10 +66,15 @@ def init_distributed(
     with tensor parallel ``tp``, pipeline parallel ``pp``, expert parallel ``ep``, virtual pipeline
     ``vpp`` (None = no interleaving), context parallel ``cp`` (data parallel = world /
     (tp * pp * cp)) and expert tensor parallel ``etp`` (None: megatron-core's default, ``tp``); the
-    model-parallel RNG tracker is seeded with ``seed``.
+    model-parallel RNG tracker is seeded with ``seed``. ``timeout_minutes``: how long a collective may
+    wait before it fails (a hung or dead rank then ends the job; megatron-core's process groups get it
+    rounded up to whole minutes); None keeps torch's and megatron-core's default (30 minutes).
     """
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         _check_size(name, value)
+    if timeout_minutes is not None and not (isinstance(timeout_minutes, (int, float)) and 0 < timeout_minutes < 1e6):
+        raise ValueError(f"timeout_minutes must be a positive number of minutes, got {timeout_minutes!r}")
+    timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
     if vpp is not None:
         _check_size("vpp", vpp)
     import torch.distributed as dist
@@ -77,10 +85,10 @@ def init_distributed(
         _bind_gpu()
     if not dist.is_initialized():
         if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
         else:
             port = os.environ.get("MASTER_PORT") or _free_port()
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **timeout)
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:
         raise ValueError(
@@ -98,6 +106,7 @@ def init_distributed(
         expert_model_parallel_size=ep,
         context_parallel_size=cp,
         expert_tensor_parallel_size=etp,
+        **({} if timeout_minutes is None else {"distributed_timeout_minutes": math.ceil(timeout_minutes)}),
     )
     with cpu_mode():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

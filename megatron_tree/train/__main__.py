@@ -32,6 +32,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--vpp": ("parallel.vpp", {}),
     "--ep": ("parallel.ep", {}),
     "--cp": ("parallel.cp", {}),
+    "--distributed-timeout-minutes": ("parallel.distributed_timeout_minutes", {"metavar": "MIN"}),
     "--max-tokens-per-mb": ("micro_batch.max_tokens_per_mb", {}),
     "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": list(PACKING_ALGORITHMS)}),
     "--data-path": ("data.path", {"metavar": "FILE"}),

@@ -181,10 +181,13 @@ class ParallelConfig(_Section):
     ep: int = _field(1, "expert parallel size (MoE)")
     cp: int = _field(1, "context parallel size: each micro-batch's slots split over cp ranks (long trees; the "
                         "docs/results.md says when)")
+    distributed_timeout_minutes: float = _field(10.0, "a collective that waits longer fails and ends the job (a hung "
+                                                "or dead rank), as Megatron-LM's --distributed-timeout-minutes")
 
     def _check(self) -> None:
         for key in ("tp", "pp", "ep", "cp"):
             self._need(getattr(self, key) >= 1, key, "an int >= 1")
+        self._need(0 < self.distributed_timeout_minutes < 1e6, "distributed_timeout_minutes", "a number of minutes > 0")
         self._need(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp",
                    f"null or an int >= 2 with pp >= 2 (pp={self.pp})")
 

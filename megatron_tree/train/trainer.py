@@ -40,7 +40,8 @@ def init_distributed(p: ParallelConfig, seed: int, cuda: bool) -> None:
     and megatron-core's model-parallel groups of sizes ``p``, RNG tracker seeded with ``seed``."""
     from megatron_tree.runtime import init_distributed as init
 
-    init(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, cp=p.cp, seed=seed, backend="nccl" if cuda else "gloo")
+    init(tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, cp=p.cp, seed=seed, backend="nccl" if cuda else "gloo",
+         timeout_minutes=p.distributed_timeout_minutes)
 
 
 def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
