@@ -11,6 +11,9 @@ needs in this process, empty when the installed versions do not have it; applied
 - :func:`qwen_moe_norm_topk_prob` -- follow the HF config's ``norm_topk_prob`` in the router.
 - :func:`qwen2_moe_shared_expert_gate` -- build Qwen2-MoE's sigmoid shared-expert gate.
 - :func:`mixtral_router_renormalise` -- Mixtral's router renormalises the top-k probabilities.
+- :func:`glm4_moe_router_and_shared_experts` -- GLM-4.5's expert groups and shared-expert size.
+- :func:`deepseek_v3_config` -- DeepSeek-V3's MLA config: a renamed YaRN field, transformers-5 RoPE, expert groups.
+- :func:`deepseek_v3_fp32_weights` -- DeepSeek-V3 checkpoints load in fp32 too.
 - :func:`tied_embedding_mapping_per_bridge` -- a tied-embedding bridge must not rename ``output_layer`` for all others.
 
 The class-level swaps last only while the block is open. What a bridge built inside it needs
@@ -29,6 +32,8 @@ import functools
 import re
 import types
 from typing import Any
+
+import torch
 
 from megatron_tree.core.patching import AttrPatch
 from megatron_tree.core.platform import have_transformer_engine
@@ -59,6 +64,9 @@ def model_type_encoder_and_decoder() -> list[AttrPatch]:
     return [AttrPatch(util, "ModelType", legacy, "megatron-core without ModelType.encoder_and_decoder")]
 
 
+_READS_ROPE_SCALING = {"deepseek_v3"}  # bridges whose RoPE scaling a compat piece reads (deepseek_v3_config)
+
+
 def _expose_rope_theta(hf_config: Any) -> None:
     """Set ``hf_config.rope_theta`` (and ``partial_rotary_factor``, where ``rope_parameters`` holds one) from
     ``hf_config.rope_parameters`` (transformers >= 5) if they are missing."""
@@ -70,7 +78,7 @@ def _expose_rope_theta(hf_config: Any) -> None:
     if hasattr(hf_config, "rope_theta") or "rope_theta" not in params:
         return
     rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
+    if rope_type != "default" and getattr(hf_config, "model_type", None) not in _READS_ROPE_SCALING:
         raise ValueError(
             f"{type(hf_config).__name__}.rope_parameters has rope_type={rope_type!r}; mbridge 0.15.1 reads only "
             f"rope_theta under transformers>=5 and would silently drop the scaling. Use a checkpoint with "
@@ -88,7 +96,8 @@ def hf_rope_theta() -> list[AttrPatch]:
     (``LLMBridge._get_gptmodel_args``, ``LLaMABridge``), and GLM-4.5's bridge
     ``hf_config.partial_rotary_factor``. Wraps ``Bridge.__init__`` to copy ``rope_parameters["rope_theta"]``
     (and ``"partial_rotary_factor"``) onto the config (and its ``text_config``, if any).
-    Non-default ``rope_type`` raises ``ValueError`` because mbridge would ignore it.
+    Non-default ``rope_type`` raises ``ValueError`` because mbridge would ignore it (except for DeepSeek-V3,
+    whose scaling :func:`deepseek_v3_config` reads).
     No-op when the config class still has ``rope_theta``.
     """
     import transformers
@@ -136,6 +145,8 @@ def local_layer_spec() -> list[AttrPatch]:
     ]
 
 
+_MLA_LOCAL_NORM = re.compile(r"\.self_attention\.(q_layernorm|kv_layernorm)\.weight$")
+_MLA_NORM_TO_UP_PROJ = {"q_layernorm": "linear_q_up_proj", "kv_layernorm": "linear_kv_up_proj"}
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
@@ -143,14 +154,22 @@ def _local_name_to_te_name(bridge: Any, name: str, consider_ep: bool) -> str:
     """The TE-spec name mbridge's tables know for local-spec parameter ``name`` (unchanged if none).
 
     ``…input_layernorm.weight`` -> ``…self_attention.linear_qkv.layer_norm_weight``;
+    unless the bridge maps ``input_layernorm`` itself (MLA bridges);
     ``…pre_mlp_layernorm.weight`` -> ``…mlp.linear_fc1.layer_norm_weight`` unless the bridge
-    maps ``pre_mlp_layernorm`` itself (MoE bridges); ``…mlp.experts.local_experts.I.linear_fcK.weight``
+    maps ``pre_mlp_layernorm`` itself (MoE bridges); MLA's ``…self_attention.q_layernorm.weight`` /
+    ``kv_layernorm`` -> ``…self_attention.linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj``
+    (TE fuses them into the up projections) unless the bridge maps them (Qwen3's q/k norms); ``…mlp.experts.local_experts.I.linear_fcK.weight``
     -> ``…mlp.experts.linear_fcK.weight{G}`` with the global expert id
     ``G = I + num_experts / ep_size * ep_rank`` when ``consider_ep`` (else ``G = I``, as
     mbridge's export expects before it gathers over expert parallel).
     """
     if name.endswith(".input_layernorm.weight"):
+        if "input_layernorm.weight" in getattr(bridge, "_ATTENTION_MAPPING", {}):  # MLA bridges map it themselves
+            return name
         return name[: -len("input_layernorm.weight")] + "self_attention.linear_qkv.layer_norm_weight"
+    mla_norm = _MLA_LOCAL_NORM.search(name)
+    if mla_norm is not None and not any(mla_norm.group(0)[1:] in key for key in getattr(bridge, "_ATTENTION_MAPPING", {})):
+        return f"{name[: mla_norm.start()]}.self_attention.{_MLA_NORM_TO_UP_PROJ[mla_norm.group(1)]}.layer_norm_weight"
     if name.endswith(".pre_mlp_layernorm.weight"):
         if any("pre_mlp_layernorm" in key for key in bridge._MLP_MAPPING):
             return name
@@ -335,6 +354,117 @@ def glm4_moe_router_and_shared_experts() -> list[AttrPatch]:
                       "mbridge drops GLM-4.5's expert groups and sizes its shared experts for one")]
 
 
+_HF_ROPE_TO_MLA = {"default": "rope", "yarn": "yarn"}
+
+
+def _mla_rope_args(hf: Any) -> dict[str, Any]:
+    """``MLATransformerConfig`` RoPE fields equal to Hugging Face's DeepSeek-V3 RoPE (``hf.rope_parameters``).
+
+    HF's YaRN: cos / sin scaled by ``get_mscale(f, mscale) / get_mscale(f, mscale_all_dim)`` when both are
+    set, else ``get_mscale(f)``; the softmax scale by ``get_mscale(f, mscale_all_dim) ** 2``. megatron-core's
+    ``YarnRotaryEmbedding`` and ``MLASelfAttention`` compute the same from the fields returned here.
+    """
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _HF_ROPE_TO_MLA:
+        raise ValueError(f"DeepSeek-V3 rope_type={rope_type!r}: megatron-core's MLA has only {sorted(_HF_ROPE_TO_MLA)}")
+    if rope_type == "default":
+        return dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    unsupported = {k: params[k] for k in ("attention_factor", "truncate") if params.get(k) not in (None, True)}
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale_all_dim and not mscale:
+        unsupported.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
+    if unsupported:
+        raise ValueError(
+            f"DeepSeek-V3 YaRN parameters {unsupported} have no megatron-core MLA equivalent; use a checkpoint "
+            f"with mscale and mscale_all_dim both set (or neither), no attention_factor and truncate=True"
+        )
+    factor = params.get("factor") or hf.max_position_embeddings / params["original_max_position_embeddings"]
+    both = bool(mscale and mscale_all_dim)
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=factor,
+        mscale=mscale if both else 1.0,
+        mscale_all_dim=mscale_all_dim if both else 0.0,
+        original_max_position_embeddings=params["original_max_position_embeddings"],
+        beta_fast=params.get("beta_fast") or 32,
+        beta_slow=params.get("beta_slow") or 1,
+    )
+
+
+def deepseek_v3_config() -> list[AttrPatch]:
+    """Build DeepSeek-V3's ``MLATransformerConfig`` as Hugging Face's ``DeepseekV3ForCausalLM`` computes.
+
+    Needed by mbridge 0.15.1 with megatron-core >= 0.14 and transformers >= 5 (three problems in
+    ``DeepseekV3Bridge._build_config``):
+
+    - it passes ``max_position_embeddings`` (YaRN's original context), which megatron-core's
+      ``MLATransformerConfig`` renamed ``original_max_position_embeddings``: every build raises ``TypeError``;
+    - it reads RoPE scaling from ``hf_config.rope_scaling`` and its ``"type"`` key; transformers >= 5 keeps it
+      in ``rope_parameters`` (``"rope_type"``), so a YaRN checkpoint would silently get plain RoPE, and mbridge's
+      fallbacks (``mscale_all_dim=1``) differ from HF's (``0``) where a checkpoint leaves them out;
+    - it ignores ``n_group`` / ``topk_group`` (megatron-core's ``moe_router_num_groups`` /
+      ``moe_router_group_topk``): DeepSeek-V3 chooses experts within 4 of 8 groups, mbridge among all;
+    - a checkpoint without MTP layers (``num_nextn_predict_layers=0``) gets ``mtp_num_layers=0``, which
+      megatron-core's ``GPTModel`` takes for an MTP model (its forward then needs ``labels``); ``None`` is "no MTP";
+    - it hard-codes ``attention_backend=fused``, which megatron-core enforces through process-wide ``NVTE_*``
+      variables: a DeepSeek-V3 model and a model of any other bridge (``auto``) cannot be built in one process
+      (``AssertionError: NVTE_FLASH_ATTN set to 1, but expected 0``). The fix keeps megatron-core's default.
+
+    Wraps ``DeepseekV3Bridge._build_base_config`` to fix its keywords (``bridge.set_extra_args`` still wins);
+    a bridge built inside the block keeps the wrapped method on the instance.
+    """
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+    from megatron.core.transformer import MLATransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    original = DeepseekV3Bridge._build_base_config
+
+    @functools.wraps(original)
+    def _build_base_config(self, *args, **kwargs):
+        if "_build_base_config" not in vars(self):
+            self._build_base_config = types.MethodType(_build_base_config, self)
+        if "max_position_embeddings" in kwargs and "max_position_embeddings" not in fields:
+            kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
+        kwargs.update(_mla_rope_args(self.hf_config))
+        kwargs.pop("attention_backend", None)  # megatron-core's default (auto), as every other bridge
+        if kwargs.get("mtp_num_layers") == 0:  # "no MTP" is None: megatron-core takes 0 for an MTP model
+            kwargs.update(mtp_num_layers=None)
+        hf = self.hf_config
+        if (getattr(hf, "n_group", None) or 1) > 1:
+            kwargs.update(moe_router_num_groups=hf.n_group, moe_router_group_topk=hf.topk_group)
+        return original(self, *args, **kwargs)
+
+    return [AttrPatch(DeepseekV3Bridge, "_build_base_config", _build_base_config,
+                      "mbridge's DeepSeek-V3 config: renamed YaRN field, transformers-5 RoPE, expert groups, MTP 0, attention backend")]
+
+
+def deepseek_v3_fp32_weights() -> list[AttrPatch]:
+    """Let a DeepSeek-V3 bridge of any dtype but bf16 read its checkpoint with mbridge's plain ``SafeTensorIO``.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``DeepseekV3Bridge._get_safetensor_io``
+    supports only bf16 (FP8 checkpoints dequantised on load) and for fp32 runs ``raise NotImplemented(...)``,
+    itself a ``TypeError``, so fp32 ``load_weights`` always fails. Wraps it to return ``Bridge``'s reader for
+    dtypes other than bf16 (bf16 keeps mbridge's); the bridge keeps the wrapped method once it has loaded
+    inside the block.
+    """
+    from mbridge.core.bridge import Bridge
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+
+    original = vars(DeepseekV3Bridge)["_get_safetensor_io"]
+
+    @functools.wraps(original)
+    def _get_safetensor_io(self, weights_path):
+        if "_get_safetensor_io" not in vars(self):
+            self._get_safetensor_io = types.MethodType(_get_safetensor_io, self)
+        if self.dtype == torch.bfloat16:
+            return original(self, weights_path)
+        return Bridge._get_safetensor_io(self, weights_path)
+
+    return [AttrPatch(DeepseekV3Bridge, "_get_safetensor_io", _get_safetensor_io,
+                      "mbridge's DeepSeek-V3 loads only bf16")]
+
+
 def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
     """Keep a tied-embedding checkpoint's ``output_layer.weight -> model.embed_tokens.weight`` on its own bridge.
 
@@ -381,5 +511,7 @@ def compat_patches() -> list[AttrPatch]:
         + qwen2_moe_shared_expert_gate()
         + mixtral_router_renormalise()
         + glm4_moe_router_and_shared_experts()
+        + deepseek_v3_config()
+        + deepseek_v3_fp32_weights()
         + tied_embedding_mapping_per_bridge()
     )

@@ -50,9 +50,54 @@ def torch_optimizers_without_cuda() -> list[AttrPatch]:
     ]
 
 
+def local_attention_mla_channels() -> list[AttrPatch]:
+    """Let megatron-core's local ``DotProductAttention`` be multi-latent attention's core attention.
+
+    Needed by megatron-core 0.16.x (local, non-TE spec): ``MLASelfAttention`` builds its core attention with
+    ``k_channels`` (q / k head dim) and ``v_channels`` (value head dim), which only Transformer Engine's
+    attention accepts, so an MLA model (DeepSeek-V3) on the local spec raises ``TypeError`` at build; and the
+    local attention reshapes its output to ``kv_channels`` per head, wrong whenever the value head dim differs.
+    Wraps ``DotProductAttention.__init__`` to take both keywords and size the output ``[sq, b, np * v_channels]``
+    (all other shapes come from the tensors; MLA passes its own ``softmax_scale``). No-op where the class
+    already takes ``v_channels``. Only building needs it: modules built inside the block keep their sizes.
+    """
+    import functools
+    import inspect
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.__init__
+    if "v_channels" in inspect.signature(original).parameters:
+        return []
+
+    @functools.wraps(original)
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return [AttrPatch(DotProductAttention, "__init__", __init__, "local attention refuses MLA's k/v_channels")]
+
+
+def mla_without_transformer_engine() -> list[AttrPatch]:
+    """Let ``MLASelfAttention`` build where Transformer Engine is not installed.
+
+    Needed by megatron-core 0.16.x without TE: ``megatron.core.extensions.transformer_engine`` then stands TE in
+    with a ``MagicMock``, so ``multi_latent_attention`` imports TE's classes as mock objects and sets
+    ``HAVE_TE = True``; its ``__init__`` runs ``isinstance(self.linear_proj, TELinear)`` and every MLA model
+    (DeepSeek-V3) raises ``TypeError: isinstance() arg 2 must be a type``. Sets ``HAVE_TE = False`` there (what
+    the module means when TE is absent) while models are built. No-op where ``TELinear`` is a real class.
+    """
+    from megatron.core.transformer import multi_latent_attention
+
+    if isinstance(multi_latent_attention.TELinear, type) or not multi_latent_attention.HAVE_TE:
+        return []
+    return [AttrPatch(multi_latent_attention, "HAVE_TE", False, "TE absent: megatron-core's MLA imports mocks")]
+
+
 def compat_patches() -> list[AttrPatch]:
     """The revertible megatron-core fixes this process needs (applied by :func:`megatron_tree.compat.apply_compat_patches`)."""
-    return torch_optimizers_without_cuda()
+    return torch_optimizers_without_cuda() + local_attention_mla_channels() + mla_without_transformer_engine()
 
 
 def lasting_fixes() -> list[AttrPatch]:

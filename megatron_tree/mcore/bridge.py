@@ -42,7 +42,7 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
     - the compatibility patches (:func:`megatron_tree.compat.apply_compat_patches`) are active;
     - every decoder block spec a bridge builds goes through :func:`tree_layer_spec`
       (``backend`` names the tree attention backend), which raises for layers it cannot
-      convert (MLA, linear or sliding-window attention);
+      convert (linear or sliding-window attention);
     - every model chunk ``get_model`` returns goes through :func:`~megatron_tree.mcore.rope.convert_to_tree_model`.
 
     Class-level changes are reverted on exit. The models built inside keep their tree
@@ -166,7 +166,16 @@ def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, ex
         overrides = tree_training_overrides(
             moe=moe, recompute=recompute, wrap_with_ddp=get_model_kwargs.get("wrap_with_ddp", False)
         )
+        if tree and getattr(bridge.config, "multi_latent_attention", False):
+            overrides["apply_rope_fusion"] = False  # MLA's fused RoPE reads cos / sin by packed index
         bridge.set_extra_args(**{**overrides, **(extra_args or {})})
+        if tree and getattr(bridge.config, "mtp_num_layers", None):
+            raise ValueError(
+                f"{path} has {bridge.config.mtp_num_layers} multi-token prediction layer(s) "
+                f"(num_nextn_predict_layers); tree training cannot run them (MTP predicts the token one slot "
+                f"later, which is not the next token at a branch point). Build without them: "
+                f"extra_args={{'mtp_num_layers': None}} (the checkpoint's MTP weights are then not loaded)"
+            )
         chunks = bridge.get_model(bf16=bf16, fp16=False, **get_model_kwargs)
         if value_head:
             _init_value_head(chunks, bridge.config.init_method_std)

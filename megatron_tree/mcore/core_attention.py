@@ -1,7 +1,8 @@
 """Megatron's ``core_attention`` over a tree micro-batch: :class:`TreeCoreAttention` (and its TE-spec twin).
 
 Shape legend: s = slots, b = batch (1 for a tree micro-batch), np / ng = query / key-value heads per TP
-rank, hn = head dim. The module calls :func:`megatron_tree.attention.tree_attention` with the
+rank, hn = q / k head dim, hv = value head dim (= hn except under multi-latent attention). The module
+calls :func:`megatron_tree.attention.tree_attention` with the
 backend named in its layer spec (``"auto"`` by default).
 """
 
@@ -27,8 +28,6 @@ def check_tree_attention_config(config: TransformerConfig) -> None:
     problems = []
     if config.window_size is not None:
         problems.append(f"window_size={config.window_size} (sliding-window attention)")
-    if config.multi_latent_attention:
-        problems.append("multi_latent_attention=True (MLA)")
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
@@ -41,6 +40,8 @@ def _model_attention_shape(config: TransformerConfig) -> AttentionShape:
     """The :class:`AttentionShape` of a model's attention calls (per TP rank the GQA ratio is the same)."""
     dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
     device = device_generation(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if config.multi_latent_attention:  # one key and value per query head; q / k carry the RoPE part too
+        return AttentionShape(config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim, 1, dtype, device)
     ratio = config.num_attention_heads // (config.num_query_groups or config.num_attention_heads)
     return AttentionShape(config.kv_channels, config.kv_channels, ratio, dtype, device)
 
@@ -50,9 +51,10 @@ class TreeCoreAttention(MegatronModule):
 
     Built by ``SelfAttention`` through the layer spec (see :func:`megatron_tree.tree_layer_spec`)
     with the standard keywords; ``backend`` (a registered name, default ``"auto"``) comes from
-    the spec's params. Called as ``(query [s, b, np, hn], key [s, b, ng, hn], value, attention_mask
-    int [b, s], *, attn_mask_type, attention_bias=None, packed_seq_params=None)``, returns
-    ``[s, b, np * hn]``. Scale: ``softmax_scale`` or ``1 / sqrt(kv_channels)``. Attention dropout
+    the spec's params. Called as ``(query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, hv],
+    attention_mask int [b, s], *, attn_mask_type, attention_bias=None, packed_seq_params=None)``, returns
+    ``[s, b, np * hv]``. Scale: ``softmax_scale`` (multi-latent attention passes its YaRN-scaled one) or
+    ``1 / sqrt(kv_channels)``. Attention dropout
     (``attention_dropout`` or ``config.attention_dropout``) applies in training mode only.
 
     ``positions_from_ids`` starts False and the forward refuses to run until it is True:
@@ -126,7 +128,7 @@ class TreeCoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        """query [s, b, np, hn], key/value [s, b, ng, hn], attention_mask int [b, s] -> [s, b, np*hn]."""
+        """query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, hv], attention_mask int [b, s] -> [s, b, np*hv]."""
         if packed_seq_params is not None:
             raise ValueError(
                 "TreeCoreAttention got packed_seq_params: tree micro-batches are one packed row "

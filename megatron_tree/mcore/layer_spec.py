@@ -13,6 +13,7 @@ import dataclasses
 
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -22,6 +23,10 @@ from megatron_tree.attention import get_tree_attention_backend
 from megatron_tree.mcore.core_attention import TreeCoreAttention, TreeCoreAttentionTE, check_tree_attention_config
 
 __all__ = ["tree_layer_spec"]
+
+# Self-attentions whose core attention is swapped (multi-latent attention computes its own q / k / v, RoPE
+# included, and hands them to core_attention like SelfAttention; megatron_tree.mcore.rope feeds its RoPE depths).
+_CONVERTIBLE = {(SelfAttention, SelfAttentionSubmodules), (MLASelfAttention, MLASelfAttentionSubmodules)}
 
 
 def _module_name(spec) -> str:
@@ -50,14 +55,13 @@ def _tree_layer(layer: ModuleSpec, index: int, backend: str) -> ModuleSpec:
     attn = layer.submodules.self_attention
     if not (
         isinstance(attn, ModuleSpec)
-        and get_module(attn) is SelfAttention
-        and isinstance(attn.submodules, SelfAttentionSubmodules)
+        and (get_module(attn), type(attn.submodules)) in _CONVERTIBLE
     ):
         raise ValueError(
-            f"{where}: tree attention replaces the core attention of a standard SelfAttention, "
-            f"but this layer's self_attention is {_module_name(attn)} (multi-latent, linear/"
-            f"gated-delta-net, hybrid and custom attentions cannot be converted); use a model "
-            f"with standard self-attention"
+            f"{where}: tree attention replaces the core attention of a standard SelfAttention or a "
+            f"multi-latent MLASelfAttention, but this layer's self_attention is {_module_name(attn)} "
+            f"(linear/gated-delta-net, hybrid and custom attentions cannot be converted); use a model "
+            f"with standard or multi-latent self-attention"
         )
     tree_attn = dataclasses.replace(
         attn,
@@ -85,9 +89,10 @@ def tree_layer_spec(
              (``get_gpt_decoder_block_spec``, heterogeneous/MoE models).
     backend  name of a registered tree attention backend (``"auto"``, ``"dense"``, ``"flex"``).
     config   optional: also check the model config now (sliding window,
-             MLA, ...) instead of when the model is built.
+             softmax type, ...) instead of when the model is built.
 
-    Raises (never skips) for a layer whose attention is not a standard ``SelfAttention``.
+    Raises (never skips) for a layer whose attention is neither a standard ``SelfAttention`` nor
+    multi-latent attention (``MLASelfAttention``).
     The input spec is not modified.
     """
     get_tree_attention_backend(backend)

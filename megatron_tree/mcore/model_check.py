@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 from megatron_tree.mcore.core_attention import TreeCoreAttention
@@ -51,11 +52,17 @@ def _problems(chunk: torch.nn.Module) -> list[str]:
         if isinstance(module, GPTModel):
             gpt_models += 1
             rope = getattr(module, "rotary_pos_emb", None)
-            if module.position_embedding_type in ("rope", "yarn") and not isinstance(rope, TreeRotaryEmbedding):
+            model_rope = module.position_embedding_type in ("rope", "yarn") and not module.config.multi_latent_attention
+            if model_rope and not isinstance(rope, TreeRotaryEmbedding):
                 rope_problems.append(
                     f"{_path(name, 'rotary_pos_emb')} is {_cls(rope)}, which rotates slot i as position i "
                     f"(wrong for every branch laid out after a sibling; convert_to_tree_model swaps it)"
                 )
+        if isinstance(module, MultiLatentAttention) and not isinstance(module.rotary_pos_emb, TreeRotaryEmbedding):
+            rope_problems.append(
+                f"{_path(name, 'rotary_pos_emb')} is {_cls(module.rotary_pos_emb)}: multi-latent attention rotates "
+                f"slot i as position i (convert_to_tree_model swaps it)"
+            )
         if isinstance(module, BaseTransformerLayer):
             attn = getattr(module, "self_attention", None)
             if not isinstance(attn, IdentityOp) and not isinstance(getattr(attn, "core_attention", None), torch.nn.Module):
@@ -83,8 +90,8 @@ def check_tree_model(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None
     """Raise ``ValueError`` unless every chunk of ``model`` can run tree micro-batches.
 
     ``model``: a ``GPTModel``, a wrapper holding one (DDP, ``Float16Module``), or the list of
-    model chunks ``get_model`` returns. Each chunk needs a ``GPTModel`` whose RoPE (if any) is
-    :class:`~megatron_tree.mcore.rope.TreeRotaryEmbedding`, every ``core_attention`` a
+    model chunks ``get_model`` returns. Each chunk needs a ``GPTModel`` whose RoPE (if any; under
+    multi-latent attention each attention layer's) is :class:`~megatron_tree.mcore.rope.TreeRotaryEmbedding`, every ``core_attention`` a
     :class:`~megatron_tree.attention.TreeCoreAttention` fed per-token positions
     (``positions_from_ids``), and every transformer layer's ``self_attention`` either such an
     attention or ``IdentityOp``. The error names the first offending module (path inside the

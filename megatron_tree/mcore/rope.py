@@ -13,8 +13,13 @@ the upstream code) and gathers row ``position_ids[b, i]`` for slot i: ``[S, b, 1
 fused (Transformer Engine) RoPE kernel reads row s of a ``[S, 1, 1, D]`` table for slot s, so
 the gathered table serves it unchanged when b == 1.
 
-A forward pre-hook on each ``GPTModel`` hands ``position_ids`` to the module for the duration of
-the forward; every pipeline stage and model chunk is a ``GPTModel`` of its own and gets one.
+Multi-latent attention (DeepSeek-V3) has no model-level table: each ``MLASelfAttention`` asks its own
+``rotary_pos_emb`` (``RotaryEmbedding``, or ``YarnRotaryEmbedding`` returning ``(table, mscale)``) for
+positions ``0..S-1`` inside its forward. Each of those is wrapped the same way, so the decoupled RoPE part
+of its queries and shared key is rotated by depth too.
+
+A forward pre-hook on each ``GPTModel`` hands ``position_ids`` to its wrapped modules for the duration
+of the forward; every pipeline stage and model chunk is a ``GPTModel`` of its own and gets one.
 
 Context parallel: each rank holds S / cp slots (:mod:`megatron_tree.core.context_parallel`), and
 ``position_ids [b, S / cp]`` are their depths. The upstream module would cut its table into the
@@ -26,11 +31,13 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
 from megatron_tree.mcore.core_attention import TreeCoreAttention
 from megatron_tree.mcore.router_stats import weigh_router_statistics
@@ -47,9 +54,9 @@ class _OneRank:
 
 
 class TreeRotaryEmbedding(torch.nn.Module):
-    """Drop-in for ``GPTModel.rotary_pos_emb`` that returns the table gathered at ``position_ids``.
+    """Drop-in for ``GPTModel.rotary_pos_emb`` (or an MLA layer's) that returns the table gathered at ``position_ids``.
 
-    ``inner`` is the model's upstream ``RotaryEmbedding`` (or a subclass such as YaRN's). Call
+    ``inner`` is the upstream ``RotaryEmbedding`` (or a subclass such as YaRN's). Call
     contract is upstream's: ``forward(max_seq_len, offset=0, packed_seq=False, cp_group=None)``
     returns what ``inner`` returns, with the ``[S, 1, 1, D]`` table replaced by
     ``[S, b, 1, D]`` = row ``position_ids[b, s]`` of the table for slot s. Positions must be
@@ -124,13 +131,28 @@ def _gpt_models(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[GPTM
     return found
 
 
+def _mla_layers(gpt: GPTModel) -> list[MultiLatentAttention]:
+    return [m for m in gpt.modules() if isinstance(m, MultiLatentAttention)]
+
+
 def _check_supported(gpt: GPTModel) -> None:
     config = gpt.config
-    if config.multi_latent_attention:
+    if config.multi_latent_attention and config.apply_rope_fusion:
         raise ValueError(
-            "tree RoPE does not support multi-latent attention (MLA applies RoPE inside its "
-            "attention by packed index); use a model with standard self-attention"
+            "tree RoPE does not support multi-latent attention with apply_rope_fusion=True (the fused MLA kernel "
+            "reads cos / sin by packed index); build with apply_rope_fusion=False"
         )
+    if config.multi_latent_attention and config.context_parallel_size > 1:
+        raise ValueError(
+            f"tree training has not been verified for multi-latent attention under context parallel (size "
+            f"{config.context_parallel_size}); use context_parallel_size=1"
+        )
+    for mla in _mla_layers(gpt):
+        if not isinstance(mla.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding):
+            raise TypeError(
+                f"tree RoPE wraps megatron.core RotaryEmbedding, but an MLA layer's rotary_pos_emb is "
+                f"{type(mla.rotary_pos_emb).__name__}"
+            )
     if getattr(gpt, "mtp_process", False):
         raise ValueError(
             "tree training does not support multi-token prediction (MTP shifts input_ids by one "
@@ -141,23 +163,49 @@ def _check_supported(gpt: GPTModel) -> None:
             "tree RoPE does not support position_embedding_type='mrope' (it reads 3-D position "
             "ids); tree micro-batches carry 1-D depths"
         )
-    if gpt.position_embedding_type in ("rope", "yarn") and not isinstance(
-        gpt.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding
-    ):
+    if _model_rope(gpt) and not isinstance(gpt.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding):
         raise TypeError(
             f"tree RoPE wraps megatron.core RotaryEmbedding, but this GPTModel's "
             f"rotary_pos_emb is {type(gpt.rotary_pos_emb).__name__}"
         )
 
 
-def _wrap_rotary(gpt: GPTModel) -> None:
-    """Swap in :class:`TreeRotaryEmbedding` and hand it ``position_ids`` around each forward."""
-    rope = TreeRotaryEmbedding(
-        gpt.rotary_pos_emb,
-        apply_rope_fusion=gpt.config.apply_rope_fusion,
-        context_parallel_size=gpt.config.context_parallel_size,
+def _model_rope(gpt: GPTModel) -> bool:
+    """Whether ``gpt`` builds a model-level RoPE table (MLA builds one per attention layer instead)."""
+    return gpt.position_embedding_type in ("rope", "yarn") and not gpt.config.multi_latent_attention
+
+
+# Depths of the tree micro-batches in flight, keyed (weakly) on their attention mask's storage. Multi-latent
+# attention builds its RoPE table inside each layer, in the forward and again in activation recompute (after
+# the model's forward returned); the mask is what megatron hands the layer both times (recompute saves it;
+# its detached copy shares the storage). The entry goes with the mask, after the backward. The interval
+# vector determines the depths, so micro-batches sharing a mask share them too.
+_DEPTHS: "weakref.WeakKeyDictionary[torch.UntypedStorage, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def _is_tree_mask(mask: Any) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dtype in (torch.int32, torch.int64)
+
+
+def _tree_rope(inner: RotaryEmbedding, gpt: GPTModel) -> TreeRotaryEmbedding:
+    return TreeRotaryEmbedding(
+        inner, apply_rope_fusion=gpt.config.apply_rope_fusion, context_parallel_size=gpt.config.context_parallel_size
     )
-    gpt.rotary_pos_emb = rope
+
+
+def _wrap_rotary(gpt: GPTModel) -> None:
+    """Swap in :class:`TreeRotaryEmbedding` (the model's, each MLA layer's) and hand them ``position_ids``:
+    the model's around each forward, an MLA layer's around each of its calls (recompute included), looked
+    up by the attention mask it is called with."""
+    rope = None
+    if _model_rope(gpt):
+        rope = gpt.rotary_pos_emb = _tree_rope(gpt.rotary_pos_emb, gpt)
+    mla_layers = _mla_layers(gpt)
+    for mla in mla_layers:
+        mla.rotary_pos_emb = _tree_rope(mla.rotary_pos_emb, gpt)
+        _feed_from_mask(mla)
+    if rope is None and not mla_layers:
+        return
     signature = inspect.signature(gpt.forward)
 
     def capture(module, args, kwargs):
@@ -174,25 +222,47 @@ def _wrap_rotary(gpt: GPTModel) -> None:
                 "the model with packed_seq_params=None"
             )
         pos, mask = bound.get("position_ids"), bound.get("attention_mask")
-        tree_mask = isinstance(mask, torch.Tensor) and mask.dtype in (torch.int32, torch.int64)
-        if pos is None and tree_mask:
+        if pos is None and _is_tree_mask(mask):
             raise ValueError(
                 "the model got a tree attention_mask but position_ids=None: pass "
                 "TreeMicroBatch.position_ids (the depth of each slot) on every pipeline stage"
             )
-        rope.position_ids = pos
-
-    def release(module, args, kwargs, output):
-        rope.position_ids = None
+        if mla_layers and _is_tree_mask(mask):
+            _DEPTHS[mask.untyped_storage()] = pos
+        if rope is not None:
+            rope.position_ids = pos
 
     gpt.register_forward_pre_hook(capture, with_kwargs=True)
-    gpt.register_forward_hook(release, with_kwargs=True, always_call=True)
+    if rope is not None:
+        gpt.register_forward_hook(lambda *_: setattr(rope, "position_ids", None), with_kwargs=True, always_call=True)
+
+
+def _feed_from_mask(mla: MultiLatentAttention) -> None:
+    """Around each call of ``mla`` (forward and recompute), give its RoPE the depths of the tree mask it gets."""
+    rope, signature = mla.rotary_pos_emb, inspect.signature(mla.forward)
+
+    def capture(module, args, kwargs):
+        mask = signature.bind(*args, **kwargs).arguments.get("attention_mask")
+        rope.position_ids = _DEPTHS.get(mask.untyped_storage()) if _is_tree_mask(mask) else None
+        if rope.position_ids is None and _is_tree_mask(mask):
+            raise ValueError(
+                "a multi-latent attention layer got a tree attention_mask its model was not called with: "
+                "call the GPTModel (model(input_ids, position_ids, attention_mask)), not its layers"
+            )
+
+    mla.register_forward_pre_hook(capture, with_kwargs=True)
+    mla.register_forward_hook(lambda *_: setattr(rope, "position_ids", None), with_kwargs=True, always_call=True)
+
+
+def _converted(gpt: GPTModel) -> bool:
+    if _model_rope(gpt):
+        return isinstance(gpt.rotary_pos_emb, TreeRotaryEmbedding)
+    return any(isinstance(mla.rotary_pos_emb, TreeRotaryEmbedding) for mla in _mla_layers(gpt))
 
 
 def _install(gpt: GPTModel) -> None:
     _check_supported(gpt)
-    rotary = gpt.position_embedding_type in ("rope", "yarn")
-    if rotary and not isinstance(gpt.rotary_pos_emb, TreeRotaryEmbedding):
+    if not _converted(gpt):
         _wrap_rotary(gpt)
     # learned_absolute already embeds position_ids; "none" has no positions: both are correct.
     for module in gpt.modules():
@@ -213,8 +283,9 @@ def convert_to_tree_model(model: torch.nn.Module | Iterable[torch.nn.Module]):
     vector; with ``position_ids=None`` on a plain batch, RoPE stays upstream's ``0..S-1``.
     Also marks the models' :class:`TreeCoreAttention` modules as fed correct positions (they
     refuse to run otherwise), and makes their MoE routers count each slot once per sequence
-    through it (:func:`megatron_tree.mcore.router_stats.weigh_router_statistics`). Raises for MLA,
-    mrope, multi-token prediction, and MoE token dropping.
+    through it (:func:`megatron_tree.mcore.router_stats.weigh_router_statistics`). Multi-latent attention
+    layers get their own per-token RoPE. Raises for mrope, multi-token prediction, MoE token dropping, and
+    MLA with fused RoPE or context parallel.
     """
     for gpt in _gpt_models(model):
         _install(gpt)

@@ -13,8 +13,13 @@ import torch
 
 __all__ = ["TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
 
-TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 """The architectures :func:`tiny_hf_config` knows."""
+
+
+_DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+"""DeepSeek-V3's RoPE scaling (its checkpoints' ``rope_scaling``): YaRN, softmax scale and cos / sin scaled by mscale."""
 
 
 def tiny_hf_config(arch: str, **overrides: Any):
@@ -96,6 +101,31 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
             ),
         ),
+        "deepseek_v3": (  # DeepSeek-V3: multi-latent attention (low-rank q and kv, a shared RoPE key, value head dim
+            # != q/k head dim, YaRN with DeepSeek-V3's own scaling), layer 0 dense, then a sigmoid router with a
+            # score-correction bias, 2 groups of which 1 is chosen, routed scaling and a shared expert; no MTP
+            "DeepseekV3Config",
+            dict(
+                num_key_value_heads=4,
+                q_lora_rank=32,
+                kv_lora_rank=24,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=12,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                n_group=2,
+                topk_group=1,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+                first_k_dense_replace=1,
+                num_nextn_predict_layers=0,
+                max_position_embeddings=40 * 4096,  # YaRN: factor x original context, as DeepSeek-V3's config
+                rope_parameters=_DEEPSEEK_V3_YARN,
+            ),
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
@@ -122,7 +152,9 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     biases), ``"mixtral"`` (4 experts of FFN 32, top-2, renormalised top-k probs, no sliding
     window), ``"glm4_moe"`` (GLM-4.5: layer 0 dense, then 4 sigmoid-routed experts of FFN 32 with a
     score-correction bias, 2 groups of which 1 is chosen, top-2, routed scaling 2.5, one shared expert;
-    qk-norm, qkv biases, RoPE on half of each head). Defaults: hidden 64,
+    qk-norm, qkv biases, RoPE on half of each head), ``"deepseek_v3"`` (multi-latent attention: 4 heads,
+    q rank 32, kv rank 24, q/k head dim 16 + RoPE 8, value head dim 12, YaRN as DeepSeek-V3 (factor 40,
+    mscale 1 / 1); layer 0 dense, then GLM-4.5's router and one shared expert; no MTP layers). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around 1 and

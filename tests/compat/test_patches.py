@@ -46,9 +46,13 @@ PIECES = [
     mbridge_patches.qwen2_moe_shared_expert_gate,
     mbridge_patches.mixtral_router_renormalise,
     mbridge_patches.glm4_moe_router_and_shared_experts,
+    mbridge_patches.deepseek_v3_config,
+    mbridge_patches.deepseek_v3_fp32_weights,
     mbridge_patches.tied_embedding_mapping_per_bridge,
     megatron_core_patches.moe_te_general_gemm,
     megatron_core_patches.torch_optimizers_without_cuda,
+    megatron_core_patches.local_attention_mla_channels,
+    megatron_core_patches.mla_without_transformer_engine,
     cpu_rng_state,
 ]
 
@@ -176,6 +180,13 @@ def test_local_names_map_to_te_names_with_global_expert_ids():
     assert name(moe, local, True) == "decoder.layers.3.mlp.experts.linear_fc2.weight5"  # 1 + 8/2 * 1
     assert name(moe, local, False) == "decoder.layers.3.mlp.experts.linear_fc2.weight1"
     assert name(moe, "decoder.layers.3.self_attention.linear_qkv.weight", True).endswith("linear_qkv.weight")
+    mla = types.SimpleNamespace(_ATTENTION_MAPPING={"input_layernorm.weight": [], "linear_q_up_proj.layer_norm_weight": []})
+    assert name(mla, "decoder.layers.3.input_layernorm.weight", True) == "decoder.layers.3.input_layernorm.weight"
+    assert name(mla, "decoder.layers.3.self_attention.kv_layernorm.weight", True) == (
+        "decoder.layers.3.self_attention.linear_kv_up_proj.layer_norm_weight"
+    )
+    qwen3 = types.SimpleNamespace(_ATTENTION_MAPPING={"self_attention.q_layernorm.weight": []})
+    assert name(qwen3, "decoder.layers.3.self_attention.q_layernorm.weight", True).endswith("q_layernorm.weight")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
@@ -246,6 +257,65 @@ def test_glm4_moe_routes_within_groups_and_sizes_its_shared_experts(tmp_path, cp
         assert config.moe_shared_expert_intermediate_size == 64 and not config.moe_shared_expert_gate
         assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
     assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+
+
+def test_deepseek_v3_builds_loads_and_matches_hf(tmp_path, cpu_dist):
+    """mbridge 0.15.1's DeepSeek-V3 bridge on megatron-core 0.16 / transformers 5 without TE: the config raises
+    TypeError (renamed YaRN field), the local MLA attention and MLA without TE raise TypeError at build, fp32
+    weights do not load; with the pieces the flat model (YaRN as DeepSeek-V3, 2 expert groups) matches HF."""
+    from mbridge.core.safetensor_io import SafeTensorIO
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+
+    path = save_tiny_hf_checkpoint("deepseek_v3", tmp_path)
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        bridge, chunks = build_flat_model(path)
+        with torch.no_grad():
+            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+    config = bridge.config
+    assert (config.rope_type, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
+    assert config.original_max_position_embeddings == 4096 and config.mtp_num_layers is None
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+    assert config.attention_backend.name == "auto"  # mbridge's "fused" clashes with every other model's NVTE_* env
+    assert type(bridge._get_safetensor_io(path)) is SafeTensorIO  # kept on the bridge after the block
+    with pytest.raises(TypeError):  # mbridge's own: raise NotImplemented(...)
+        DeepseekV3Bridge._get_safetensor_io(bridge, path)
+    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+
+
+def test_mla_rope_arguments_follow_hf_defaults():
+    hf = types.SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                "original_max_position_embeddings": 16}, max_position_embeddings=64)
+    args = mbridge_patches._mla_rope_args(hf)
+    assert (args["mscale"], args["mscale_all_dim"], args["beta_fast"], args["beta_slow"]) == (1.0, 0.0, 32, 1)
+    hf.rope_parameters["attention_factor"] = 2.0
+    with pytest.raises(ValueError, match="attention_factor"):
+        mbridge_patches._mla_rope_args(hf)
+    default = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert mbridge_patches._mla_rope_args(default)["rope_type"] == "rope"
+
+
+def test_local_attention_takes_mla_value_head_dim(cpu_dist):
+    """megatron-core 0.16's local DotProductAttention refuses MLA's k/v_channels and sizes its output by kv_channels."""
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=None,
+                                  kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12,
+                                  rope_type="rope", use_cpu_initialization=True, masked_softmax_fusion=False,
+                                  attention_dropout=0.0)
+    with pytest.raises(TypeError, match="k_channels"):
+        DotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.2, k_channels=24, v_channels=12)
+    q, k, v = (torch.randn(5, 1, 4, d) for d in (24, 24, 12))
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)[None, None]
+    with apply_compat_patches(), cpu_mode():
+        attn = DotProductAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.2, k_channels=24, v_channels=12)
+        out = attn(q, k, v, causal, attn_mask_type=AttnMaskType.causal)
+    want = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                                            scale=0.2)
+    assert out.shape == (5, 1, 48)
+    assert (out - want.permute(2, 0, 1, 3).reshape(5, 1, 48)).abs().max().item() < 1e-6
 
 
 def test_tied_bridge_keeps_its_output_mapping_to_itself(tmp_path, cpu_dist):

@@ -58,9 +58,10 @@ def test_block_spec_every_layer_converted(cpu_megatron):
     assert converted.layer_norm is block.layer_norm
 
 
-def test_refuses_mla():
-    with pytest.raises(ValueError, match="MLASelfAttention"):
-        tree_layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
+def test_mla_core_attention_converted():
+    """Multi-latent attention keeps its projections, norms and RoPE; only its core attention changes."""
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
+    assert_converted(spec, tree_layer_spec(spec))
 
 
 def test_refuses_non_self_attention_layers():

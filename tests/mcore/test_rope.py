@@ -177,8 +177,8 @@ def test_refusals():
     with pytest.raises(TypeError, match="list of model chunks"):
         convert_to_tree_model([object()])
     model = tiny_tree_gpt(enable=False)
-    model.config = dataclasses.replace(model.config, multi_latent_attention=True)
-    with pytest.raises(ValueError, match="multi-latent attention"):
+    model.config = dataclasses.replace(model.config, multi_latent_attention=True, apply_rope_fusion=True)
+    with pytest.raises(ValueError, match="multi-latent attention with apply_rope_fusion=True"):
         convert_to_tree_model(model)
     model = tiny_tree_gpt(enable=False)
     model.position_embedding_type = "mrope"

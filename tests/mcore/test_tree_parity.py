@@ -30,11 +30,16 @@ from scripts.parity_common import (
     weighted_sum,
 )
 
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
 from megatron_tree.attention import dispatch as tree_attention_module
+from megatron_tree.mcore.bridge import build_tree_model
 from megatron_tree.mcore.core_attention import TreeCoreAttention
+from megatron_tree.mcore.model_check import check_tree_model
 from megatron_tree.mcore.rope import TreeRotaryEmbedding
 from megatron_tree.runtime import (
     TINY_ARCHS,
+    save_hf_config,
     save_tiny_hf_checkpoint,
 )
 
@@ -86,6 +91,52 @@ def test_packed_index_rope_is_detected(checkpoints, forest):
     assert bad > 1e-3
 
 
+def test_mla_packed_index_rope_is_detected(checkpoints, forest):
+    """Fails if multi-latent attention (DeepSeek-V3) goes back to rotating slot i as position i: its RoPE is
+    computed inside each attention layer, not from the model's table."""
+    seqs, mbs = forest
+    model = build_model(checkpoints["deepseek_v3"], tree=True)[0].eval()
+    want = hf_logprobs(checkpoints["deepseek_v3"], seqs)
+    layers = [m for m in model.modules() if isinstance(m, MLASelfAttention)]
+    assert len(layers) == 2 and all(isinstance(m.rotary_pos_emb, TreeRotaryEmbedding) for m in layers)
+    with torch.no_grad():
+        good = max_diff(tree_logprobs(model, mbs), want)
+        for layer in layers:
+            layer.rotary_pos_emb = layer.rotary_pos_emb.inner  # upstream: packed index
+        bad = max_diff(tree_logprobs(model, mbs), want)
+    print(f"MLA tree RoPE: {good:.3g}; packed-index RoPE: {bad:.3g}")
+    assert good < LOGPROB_TOL
+    assert bad > 1e-3
+    with pytest.raises(ValueError, match="multi-latent attention rotates slot i as position i"):
+        check_tree_model(model)
+
+
+MLA_VARIANTS = {
+    "rope_default": dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, max_position_embeddings=512),
+    "no_q_lora": dict(q_lora_rank=None),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(MLA_VARIANTS))
+def test_deepseek_v3_variants_match_hf(variant, tmp_path, cpu_megatron, forest):
+    """DeepSeek-V3 without YaRN (plain RoPE) and without the low-rank query (DeepSeek-V2-Lite's q_proj)."""
+    seqs, mbs = forest
+    path = save_tiny_hf_checkpoint("deepseek_v3", tmp_path, **MLA_VARIANTS[variant])
+    model = build_model(path, tree=True)[0].eval()
+    with torch.no_grad():
+        err = max_diff(tree_logprobs(model, mbs), hf_logprobs(path, seqs))
+    print(f"deepseek_v3/{variant}: tree vs HF max |dlogprob| = {err:.3g}")
+    assert err < LOGPROB_TOL
+
+
+def test_multi_token_prediction_refused_at_build(tmp_path, cpu_megatron):
+    path = save_hf_config("deepseek_v3", tmp_path, num_nextn_predict_layers=1)
+    with pytest.raises(ValueError, match=r"multi-token prediction.*extra_args=\{'mtp_num_layers': None\}"):
+        build_tree_model(path, load_weights=False)
+    _, chunks = build_tree_model(path, load_weights=False, extra_args={"mtp_num_layers": None})
+    assert not chunks[0].mtp_process
+
+
 def test_bf16_error_is_a_small_multiple_of_flat(checkpoints, forest):
     """bf16 tree log-probs are as close to fp32 HF as bf16 per-sequence runs are (k = 4)."""
     seqs, mbs = forest
@@ -108,7 +159,8 @@ def test_tree_model_needs_position_ids(checkpoints, forest):
 
 GRAD_CASES = [("qwen3", "none"), ("qwen3", "full"), ("qwen3", "selective"), ("llama", "full"), ("qwen3_moe", "selective"),
               ("qwen3_moe", "full"), ("qwen2_moe", "none"), ("qwen2_moe", "full"),
-              ("mixtral", "none"), ("mixtral", "full"), ("glm4_moe", "none"), ("glm4_moe", "full")]
+              ("mixtral", "none"), ("mixtral", "full"), ("glm4_moe", "none"), ("glm4_moe", "full"),
+              ("deepseek_v3", "none"), ("deepseek_v3", "full")]
 
 
 @pytest.mark.parametrize("arch,recompute", GRAD_CASES)
