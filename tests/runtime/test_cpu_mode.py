@@ -110,7 +110,9 @@ def test_save_tiny_hf_checkpoint(tmp_path):
         path = Path(save_tiny_hf_checkpoint(arch, tmp_path / arch, num_hidden_layers=1))
         configs[arch] = json.loads((path / "config.json").read_text())
         weights[arch] = load_file(path / "model.safetensors")
-    assert all(c["num_hidden_layers"] == 1 and c["num_key_value_heads"] == 2 for c in configs.values())
+    assert all(c["num_hidden_layers"] == 1 for c in configs.values())
+    assert all(c["num_key_value_heads"] == 2 for arch, c in configs.items() if arch != "deepseek_v3")  # GQA
+    assert configs["deepseek_v3"]["num_key_value_heads"] == 4  # MLA: a key and value per query head
     assert "model.layers.0.self_attn.q_norm.weight" in weights["qwen3"]
     assert "model.layers.0.self_attn.q_proj.bias" in weights["qwen2"]
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in weights["qwen3_moe"]
