@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import re
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -230,6 +230,22 @@ def local_spec_weight_names() -> list[AttrPatch]:
     return [AttrPatch(Bridge, "get_model", get_model, "no Transformer Engine: local-spec weight names")]
 
 
+def _method_fix(cls: type, name: str, fix: Callable[..., Any], why: str) -> AttrPatch:
+    """An :class:`AttrPatch` replacing the method ``cls.name`` by ``fix(self, original, *args, **kwargs)``
+    (``original``: ``cls``'s own ``name``, else the inherited one). A bridge that calls it inside the compat
+    block keeps the wrapper as its own attribute, so the fix holds for the bridge's life (mbridge rebuilds its
+    config later, e.g. in ``set_extra_args``)."""
+    original = vars(cls)[name] if name in vars(cls) else getattr(cls, name)
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if name not in vars(self):
+            setattr(self, name, types.MethodType(method, self))
+        return fix(self, original, *args, **kwargs)
+
+    return AttrPatch(cls, name, method, why)
+
+
 def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
     """Make the Qwen2-MoE / Qwen3-MoE router normalise the top-k probabilities iff ``hf_config.norm_topk_prob``.
 
@@ -246,23 +262,14 @@ def qwen_moe_norm_topk_prob() -> list[AttrPatch]:
     from mbridge.models.qwen2moe import Qwen2MoEBridge
     from mbridge.models.qwen3moe import Qwen3MoEBridge
 
-    def wrap(original):
-        @functools.wraps(original)
-        def _build_config(self):
-            if "_build_config" not in vars(self):
-                self._build_config = types.MethodType(_build_config, self)
-            config = original(self)
-            pre_softmax = not getattr(self.hf_config, "norm_topk_prob", not config.moe_router_pre_softmax)
-            if "moe_router_pre_softmax" in self.extra_args or config.moe_router_pre_softmax == pre_softmax:
-                return config
-            return dataclasses.replace(config, moe_router_pre_softmax=pre_softmax)
+    def fix(self, original):
+        config = original(self)
+        pre_softmax = not getattr(self.hf_config, "norm_topk_prob", not config.moe_router_pre_softmax)
+        if "moe_router_pre_softmax" in self.extra_args or config.moe_router_pre_softmax == pre_softmax:
+            return config
+        return dataclasses.replace(config, moe_router_pre_softmax=pre_softmax)
 
-        return _build_config
-
-    why = "mbridge ignores norm_topk_prob"
-    return [
-        AttrPatch(cls, "_build_config", wrap(vars(cls)["_build_config"]), why) for cls in (Qwen2MoEBridge, Qwen3MoEBridge)
-    ]
+    return [_method_fix(cls, "_build_config", fix, "mbridge ignores norm_topk_prob") for cls in (Qwen2MoEBridge, Qwen3MoEBridge)]
 
 
 def qwen2_moe_shared_expert_gate() -> list[AttrPatch]:
@@ -278,17 +285,12 @@ def qwen2_moe_shared_expert_gate() -> list[AttrPatch]:
     """
     from mbridge.models.qwen2moe import Qwen2MoEBridge
 
-    original = Qwen2MoEBridge._build_base_config
-
-    @functools.wraps(original)
-    def _build_base_config(self, *args, **kwargs):
+    def fix(self, original, *args, **kwargs):
         if getattr(self.hf_config, "model_type", None) != "qwen2_moe":  # subclasses: Qwen3-MoE, GLM-4.5 (no gate)
             return original(self, *args, **kwargs)
-        if "_build_base_config" not in vars(self):
-            self._build_base_config = types.MethodType(_build_base_config, self)
         return original(self, *args, **{"moe_shared_expert_gate": True, **kwargs})
 
-    return [AttrPatch(Qwen2MoEBridge, "_build_base_config", _build_base_config, "mbridge drops the shared-expert gate")]
+    return [_method_fix(Qwen2MoEBridge, "_build_base_config", fix, "mbridge drops the shared-expert gate")]
 
 
 def mixtral_router_renormalise() -> list[AttrPatch]:
@@ -306,18 +308,13 @@ def mixtral_router_renormalise() -> list[AttrPatch]:
     """
     from mbridge.models.mixtral import MixtralBridge
 
-    original = vars(MixtralBridge)["_build_config"]
-
-    @functools.wraps(original)
-    def _build_config(self):
-        if "_build_config" not in vars(self):
-            self._build_config = types.MethodType(_build_config, self)
+    def fix(self, original):
         config = original(self)
         if "moe_router_pre_softmax" in self.extra_args or not config.moe_router_pre_softmax:
             return config
         return dataclasses.replace(config, moe_router_pre_softmax=False)
 
-    return [AttrPatch(MixtralBridge, "_build_config", _build_config, "mbridge leaves Mixtral's top-k unnormalised")]
+    return [_method_fix(MixtralBridge, "_build_config", fix, "mbridge leaves Mixtral's top-k unnormalised")]
 
 
 def glm4_moe_router_and_shared_experts() -> list[AttrPatch]:
@@ -334,24 +331,19 @@ def glm4_moe_router_and_shared_experts() -> list[AttrPatch]:
     """
     from mbridge.models.glm4moe import GLM4MoEBridge
 
-    original = vars(GLM4MoEBridge)["_build_config"]
-
-    @functools.wraps(original)
-    def _build_config(self):
-        if "_build_config" not in vars(self):
-            self._build_config = types.MethodType(_build_config, self)
+    def fix(self, original):
         config = original(self)
         hf = self.hf_config
-        fix: dict[str, Any] = {}
+        changes: dict[str, Any] = {}
         if getattr(hf, "n_group", 1) > 1 and "moe_router_num_groups" not in self.extra_args:
-            fix.update(moe_router_num_groups=hf.n_group, moe_router_group_topk=hf.topk_group)
+            changes.update(moe_router_num_groups=hf.n_group, moe_router_group_topk=hf.topk_group)
         shared = hf.moe_intermediate_size * getattr(hf, "n_shared_experts", 1)
         if "moe_shared_expert_intermediate_size" not in self.extra_args and config.moe_shared_expert_intermediate_size != shared:
-            fix.update(moe_shared_expert_intermediate_size=shared)
-        return dataclasses.replace(config, **fix) if fix else config
+            changes.update(moe_shared_expert_intermediate_size=shared)
+        return dataclasses.replace(config, **changes) if changes else config
 
-    return [AttrPatch(GLM4MoEBridge, "_build_config", _build_config,
-                      "mbridge drops GLM-4.5's expert groups and sizes its shared experts for one")]
+    return [_method_fix(GLM4MoEBridge, "_build_config", fix,
+                        "mbridge drops GLM-4.5's expert groups and sizes its shared experts for one")]
 
 
 _HF_ROPE_TO_MLA = {"default": "rope", "yarn": "yarn"}
@@ -418,12 +410,7 @@ def deepseek_v3_config() -> list[AttrPatch]:
     from megatron.core.transformer import MLATransformerConfig
 
     fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
-    original = DeepseekV3Bridge._build_base_config
-
-    @functools.wraps(original)
-    def _build_base_config(self, *args, **kwargs):
-        if "_build_base_config" not in vars(self):
-            self._build_base_config = types.MethodType(_build_base_config, self)
+    def fix(self, original, *args, **kwargs):
         if "max_position_embeddings" in kwargs and "max_position_embeddings" not in fields:
             kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
         kwargs.update(_mla_rope_args(self.hf_config))
@@ -435,8 +422,8 @@ def deepseek_v3_config() -> list[AttrPatch]:
             kwargs.update(moe_router_num_groups=hf.n_group, moe_router_group_topk=hf.topk_group)
         return original(self, *args, **kwargs)
 
-    return [AttrPatch(DeepseekV3Bridge, "_build_base_config", _build_base_config,
-                      "mbridge's DeepSeek-V3 config: renamed YaRN field, transformers-5 RoPE, expert groups, MTP 0, attention backend")]
+    return [_method_fix(DeepseekV3Bridge, "_build_base_config", fix,
+                        "mbridge's DeepSeek-V3 config: renamed YaRN field, transformers-5 RoPE, expert groups, MTP 0, attention backend")]
 
 
 def deepseek_v3_fp32_weights() -> list[AttrPatch]:
@@ -451,18 +438,12 @@ def deepseek_v3_fp32_weights() -> list[AttrPatch]:
     from mbridge.core.bridge import Bridge
     from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
-    original = vars(DeepseekV3Bridge)["_get_safetensor_io"]
-
-    @functools.wraps(original)
-    def _get_safetensor_io(self, weights_path):
-        if "_get_safetensor_io" not in vars(self):
-            self._get_safetensor_io = types.MethodType(_get_safetensor_io, self)
+    def fix(self, original, weights_path):
         if self.dtype == torch.bfloat16:
             return original(self, weights_path)
         return Bridge._get_safetensor_io(self, weights_path)
 
-    return [AttrPatch(DeepseekV3Bridge, "_get_safetensor_io", _get_safetensor_io,
-                      "mbridge's DeepSeek-V3 loads only bf16")]
+    return [_method_fix(DeepseekV3Bridge, "_get_safetensor_io", fix, "mbridge's DeepSeek-V3 loads only bf16")]
 
 
 def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
