@@ -39,13 +39,14 @@ def apply_compat_patches() -> Iterator[tuple[AttrPatch, ...]]:
     Nested and repeated entries share one application. Yields the patches applied (and reverted).
 
     Not reverted: fixes of upstream bugs (``megatron_core.lasting_fixes``: the missing
-    ``te_general_gemm`` of megatron-core 0.16 without TE), applied at the first entry, and
+    ``te_general_gemm`` of megatron-core 0.16 without TE; ``mbridge.lasting_fixes``: weight export
+    without autograd), applied at the first entry, and
     what a bridge built inside needs for its life, stored on that bridge (see
     :mod:`megatron_tree.compat.mbridge`).
     """
-    from . import megatron_core
+    from . import mbridge, megatron_core
 
-    for fix in megatron_core.lasting_fixes():
+    for fix in megatron_core.lasting_fixes() + mbridge.lasting_fixes():
         fix.apply()
     with _COMPAT_SCOPE.active() as applied:
         yield applied

@@ -446,6 +446,32 @@ def deepseek_v3_fp32_weights() -> list[AttrPatch]:
     return [_method_fix(DeepseekV3Bridge, "_get_safetensor_io", fix, "mbridge's DeepSeek-V3 loads only bf16")]
 
 
+def export_weights_without_autograd() -> list[AttrPatch]:
+    """Run ``Bridge.export_weights`` (RL weight sync) with autograd off.
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): ``export_weights`` gathers the
+    parameters with in-place collectives (``broadcast_``) while autograd records, so the next backward
+    warns ``c10d::broadcast_: an autograd kernel was not registered ... may lead to silently incorrect
+    behavior`` once per gathered tensor (the gradients were checked unchanged). A lasting fix (applied
+    at the first :func:`~megatron_tree.compat.apply_compat_patches`, never reverted: weight sync runs
+    at any time in an RL loop); ``torch.no_grad`` on a generator function is active only while it runs.
+    No-op once applied.
+    """
+    from mbridge.core.bridge import Bridge
+
+    original = Bridge.export_weights
+    if getattr(original, "_megatron_tree_no_grad", False):
+        return []
+    wrapped = functools.wraps(original)(torch.no_grad()(original))
+    wrapped._megatron_tree_no_grad = True
+    return [AttrPatch(Bridge, "export_weights", wrapped, "mbridge's export collectives run under autograd")]
+
+
+def lasting_fixes() -> list[AttrPatch]:
+    """Fixes :func:`megatron_tree.compat.apply_compat_patches` applies once and never reverts."""
+    return export_weights_without_autograd()
+
+
 def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
     """Keep a tied-embedding checkpoint's ``output_layer.weight -> model.embed_tokens.weight`` on its own bridge.
 

@@ -46,6 +46,7 @@ PIECES = [
     mbridge_patches.qwen2_moe_shared_expert_gate,
     mbridge_patches.mixtral_router_renormalise,
     mbridge_patches.glm4_moe_router_and_shared_experts,
+    mbridge_patches.export_weights_without_autograd,
     mbridge_patches.deepseek_v3_config,
     mbridge_patches.deepseek_v3_fp32_weights,
     mbridge_patches.tied_embedding_mapping_per_bridge,
@@ -316,6 +317,22 @@ def test_local_attention_takes_mla_value_head_dim(cpu_dist):
                                                             scale=0.2)
     assert out.shape == (5, 1, 48)
     assert (out - want.permute(2, 0, 1, 3).reshape(5, 1, 48)).abs().max().item() < 1e-6
+
+
+def test_weight_export_leaves_no_autograd_warning_behind(tiny_paths, cpu_dist):
+    """RL weight sync: mbridge's export collectives ran under autograd, and the next backward warned once per
+    tensor that an in-place collective has no autograd kernel ("may lead to silently incorrect behavior")."""
+    import warnings
+
+    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+    with apply_compat_patches(), cpu_mode():
+        bridge, chunks = build_flat_model(tiny_paths["qwen2"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exported = dict(bridge.export_weights(chunks))
+            assert torch.is_grad_enabled()  # no_grad only while the generator runs
+            chunks[0](input_ids, torch.arange(9)[None], attention_mask=None).sum().backward()
+    assert exported and not [w for w in caught if "autograd kernel was not registered" in str(w.message)]
 
 
 def test_tied_bridge_keeps_its_output_mapping_to_itself(tmp_path, cpu_dist):
