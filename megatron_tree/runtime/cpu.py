@@ -126,8 +126,41 @@ def cpu_rng_state() -> list[AttrPatch]:
     ]
 
 
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False) -> None:
+    """CPU stand-in for megatron-core's ``clip_grad_by_total_norm_fp32``: scale every gradient by
+    ``max_norm / (total_norm + 1e-6)`` when that is below 1 (megatron-core asserts CUDA gradients)."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, coeff)
+
+
+def cpu_gradient_clipping() -> list[AttrPatch]:
+    """Megatron-core's gradient norm and clipping on the CPU (no CUDA only).
+
+    Needed on machines without CUDA, megatron-core 0.16 - 0.19 at least: ``clip_grad_by_total_norm_fp32``
+    asserts ``torch.cuda.FloatTensor`` gradients, and where Transformer Engine or Apex is installed (a CPU
+    run on a GPU host) ``optimizer.clip_grads`` binds their CUDA multi-tensor kernels for the norm and the
+    scaling. Routes both to megatron-core's own local (torch) implementations and a CPU scaling.
+    """
+    if torch.cuda.is_available():
+        return []
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    why = "no CUDA: megatron-core's gradient clipping on the CPU"
+    patches = [AttrPatch(optimizer, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32, why)]
+    for name, local in (("multi_tensor_applier", utils.local_multi_tensor_applier),
+                        ("l2_norm_impl", utils.local_multi_tensor_l2_norm),
+                        ("multi_tensor_scale_impl", utils.local_multi_tensor_scale)):
+        if getattr(clip_grads, name, local) is not local:
+            patches.append(AttrPatch(clip_grads, name, local, why))
+    return patches
+
+
 def _cpu_shim_patches() -> list[AttrPatch]:
-    return _torch_cpu_patches() + cpu_rng_state()
+    return _torch_cpu_patches() + cpu_rng_state() + cpu_gradient_clipping()
 
 
 _CPU_SCOPE = PatchScope(_cpu_shim_patches)
@@ -141,7 +174,8 @@ def cpu_mode() -> Iterator[None]:
     ``torch.cuda.get_rng_state / set_rng_state / manual_seed`` (also under
     ``torch.cuda.random``) -> the CPU generator; ``nn.Module.cuda`` and ``Tensor.cuda`` ->
     identity; megatron-core's ``tensor_parallel.random._get_cuda_rng_state /
-    _set_cuda_rng_state`` -> the CPU generator (:func:`cpu_rng_state`);
+    _set_cuda_rng_state`` -> the CPU generator (:func:`cpu_rng_state`); its gradient clipping -> the CPU
+    (:func:`cpu_gradient_clipping`);
     and, through a ``TorchFunctionMode`` active in this thread, CUDA devices in
     ``device=`` keywords and ``Tensor.to(device)`` -> ``"cpu"``. The mode is thread-local:
     code run by other threads inside the block sees no device rewriting.

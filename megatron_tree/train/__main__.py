@@ -49,6 +49,17 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--bf16": ("train.bf16", {}),
     "--verify-tree-model": ("train.verify_tree_model", {}),
     "--skip-nonfinite": ("train.skip_nonfinite", {}),
+    "--optimizer": ("optimizer.optimizer", {"choices": list(config.OPTIMIZERS)}),
+    "--weight-decay": ("optimizer.weight_decay", {}),
+    "--adam-beta1": ("optimizer.adam_beta1", {}),
+    "--adam-beta2": ("optimizer.adam_beta2", {}),
+    "--adam-eps": ("optimizer.adam_eps", {}),
+    "--sgd-momentum": ("optimizer.sgd_momentum", {}),
+    "--clip-grad": ("optimizer.clip_grad", {}),
+    "--lr-warmup-iters": ("optimizer.lr_warmup_iters", {}),
+    "--lr-decay-style": ("optimizer.lr_decay_style", {"choices": list(config.LR_DECAY_STYLES)}),
+    "--lr-decay-iters": ("optimizer.lr_decay_iters", {}),
+    "--min-lr": ("optimizer.min_lr", {}),
     "--save": ("checkpoint.save", {"metavar": "DIR"}),
     "--save-interval": ("checkpoint.save_interval", {}),
     "--load": ("checkpoint.load", {"metavar": "DIR"}),
@@ -60,6 +71,15 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--wandb-run-name": ("logging.wandb_run_name", {"metavar": "NAME"}),
     "--wandb-mode": ("logging.wandb_mode", {"choices": list(config.WANDB_MODES)}),
     "--progress": ("logging.progress", {}),
+}
+MEGATRON_NAMES = {  # Megatron-LM's names of our flags, accepted as aliases
+    "--tp": "--tensor-model-parallel-size",
+    "--pp": "--pipeline-model-parallel-size",
+    "--vpp": "--virtual-pipeline-model-parallel-size",
+    "--ep": "--expert-model-parallel-size",
+    "--cp": "--context-parallel-size",
+    "--steps": "--train-iters",
+    "--load": "--load-dir",
 }
 MICRO_BATCH_HELP = {
     "max_tokens_per_mb": ("capacity of a micro-batch in unique (tree) tokens", 1024),
@@ -111,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw["type"] = kind
             if "choices" not in extra:
                 kw.setdefault("metavar", "N" if kind is int else flag.lstrip("-").split("-")[-1].upper())
-        groups[section].add_argument(flag, **kw)
+        aliases = [MEGATRON_NAMES[flag]] if flag in MEGATRON_NAMES else []
+        groups[section].add_argument(flag, *aliases, **kw)
     ap.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     return ap
 

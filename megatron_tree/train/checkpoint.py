@@ -69,9 +69,10 @@ def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict |
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: dict[str, Any]) -> str:
+def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: dict[str, Any], scheduler=None) -> str:
     """Save the run after ``iteration`` steps under ``root``; returns the checkpoint directory.
-    ``data`` is the rollout source's position.
+    ``data`` is the rollout source's position; ``scheduler`` megatron-core's ``OptimizerParamScheduler``
+    (its state: steps taken, schedule).
 
     Safe against a kill at any instant: the checkpoint is written into a staging folder
     (``.iter_NNNNNNN.saving``) and renamed into place once every rank has finished; an existing
@@ -91,6 +92,8 @@ def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: 
     dist.barrier()
     state = _sharded_state_dict(model, optimizer, is_loading=False, rng=_rng_state())
     state.update(iteration=iteration, data=data, world_size=dist.get_world_size(), model_config=model_signature(model))
+    if scheduler is not None:
+        state.update(opt_param_scheduler=scheduler.state_dict())
     dist_checkpointing.save(state, staging)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -227,8 +230,9 @@ def _newest_complete(root: str, why: str) -> str:
     return chosen
 
 
-def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, Any], bool]:
-    """Load model, optimizer and RNG state from ``path`` (see :func:`resolve_checkpoint`).
+def load_checkpoint(path: str, model: list, optimizer, scheduler=None) -> tuple[int, dict[str, Any], bool]:
+    """Load model, optimizer, lr schedule (into ``scheduler``: its schedule must equal the saved one) and
+    RNG state from ``path`` (see :func:`resolve_checkpoint`).
     Returns ``(iteration, data position, whether the RNG state was restored)``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -258,6 +262,15 @@ def load_checkpoint(path: str, model: list, optimizer) -> tuple[int, dict[str, A
     for i, chunk in enumerate(unwrap_model(model)):
         _load_model_state(chunk, loaded["model" if len(model) == 1 else f"model{i}"], path)
     optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "opt_param_scheduler" in common:
+        saved = common["opt_param_scheduler"]
+        try:
+            scheduler.load_state_dict(saved)
+        except AssertionError:  # megatron-core asserts each schedule value equal to the checkpoint's
+            mine = scheduler.state_dict()
+            diff = [f"{k} {saved[k]} (this run: {mine[k]})" for k in mine if k != "num_steps" and saved.get(k) != mine[k]]
+            raise ValueError(f"--load {path}: the checkpoint's lr schedule differs from this run's: {'; '.join(diff)}; "
+                             f"resume with the optimizer settings it was saved with") from None
     if has_rng:
         _set_rng_state(loaded["rng_state"])
     return int(common["iteration"]), common["data"], has_rng

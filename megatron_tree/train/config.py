@@ -1,12 +1,14 @@
 """Run configuration of the launcher: YAML (pyyaml) -> frozen dataclasses validated at construction.
 
-A config file has up to seven sections; every key is optional::
+A config file has up to eight sections; every key is optional::
 
     model:       {hf_path: /path/to/hf}  or  {arch: qwen3, hf_overrides: {hidden_size: 64, ...}, random_init: false}
     parallel:    {tp: 1, pp: 1, vpp: null, ep: 1, cp: 1}     # dp = world / (tp * pp * cp)
     micro_batch: {max_tokens_per_mb: 1024, ...}              # MicroBatchSpec fields
     data:        {path: rollouts.jsonl | .parquet}  or  {workload: grpo | multi_turn, batch_size: ..., ...}
     train:       {steps: 5, lr: 1.0e-3, seed: 0, loss: sft | grpo, ...}
+    optimizer:   {optimizer: adam | sgd, weight_decay: 0.01, clip_grad: 1.0, lr_warmup_iters: 0,
+                  lr_decay_style: constant | linear | cosine, min_lr: 0.0, ...}   # megatron-core's names
     checkpoint:  {save: DIR, save_interval: N, load: DIR, export_hf: DIR, export_overwrite: bool}
     logging:     {jsonl: FILE, tensorboard_dir: DIR, wandb_project: NAME, wandb_mode: online | offline, progress: true}
 
@@ -36,6 +38,8 @@ ARCHS = TINY_ARCHS
 WORKLOADS = ("grpo", "multi_turn")
 RECOMPUTE = ("none", "full", "selective")
 LOSSES = ("sft", "grpo", "ppo")
+OPTIMIZERS = ("adam", "sgd")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BALANCE = ("kk", "ffd", "round_robin")
 BACKENDS = backend_names()
 WANDB_MODES = ("online", "offline", "disabled")
@@ -270,6 +274,36 @@ class TrainConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class OptimizerConfig(_Section):
+    """megatron-core's optimizer (``OptimizerConfig``) and learning-rate schedule (``OptimizerParamScheduler``),
+    with Megatron-LM's names and defaults (but ``lr_decay_style`` constant); the peak lr is ``train.lr``."""
+
+    SECTION = "optimizer"
+    optimizer: str = _field("adam", "adam (decoupled weight decay, AdamW) | sgd")
+    weight_decay: float = _field(0.01, "weight decay")
+    adam_beta1: float = _field(0.9, "Adam beta1")
+    adam_beta2: float = _field(0.999, "Adam beta2")
+    adam_eps: float = _field(1e-8, "Adam epsilon")
+    sgd_momentum: float = _field(0.9, "SGD momentum")
+    clip_grad: float = _field(1.0, "clip the global gradient norm to this (0: no clipping), on CPU too")
+    lr_warmup_iters: int = _field(0, "linear warmup of the lr from 0 to train.lr over this many steps")
+    lr_decay_style: str = _field("constant", "after the warmup: constant | linear | cosine decay to min_lr")
+    lr_decay_iters: int | None = _field(None, "steps of warmup + decay (null: train.steps)")
+    min_lr: float = _field(0.0, "lr at the end of the decay")
+
+    def _check(self) -> None:
+        self._need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}")
+        self._need(self.lr_decay_style in LR_DECAY_STYLES, "lr_decay_style", f"one of {LR_DECAY_STYLES}")
+        for key in ("weight_decay", "clip_grad", "min_lr", "sgd_momentum"):
+            self._need(getattr(self, key) >= 0, key, ">= 0")
+        for key in ("adam_beta1", "adam_beta2"):
+            self._need(0 <= getattr(self, key) < 1, key, "in [0, 1)")
+        self._need(self.adam_eps > 0, "adam_eps", "> 0")
+        self._need(self.lr_warmup_iters >= 0, "lr_warmup_iters", "an int >= 0")
+        self._need(self.lr_decay_iters is None or self.lr_decay_iters >= 1, "lr_decay_iters", "null or an int >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig(_Section):
     SECTION = "checkpoint"
     save: str | None = _field(None, "directory for megatron dist checkpoints (DIR/iter_NNNNNNN)")
@@ -306,6 +340,7 @@ SECTIONS: dict[str, type] = {
     "micro_batch": MicroBatchSpec,
     "data": DataConfig,
     "train": TrainConfig,
+    "optimizer": OptimizerConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
@@ -319,10 +354,18 @@ class RunConfig:
     micro_batch: MicroBatchSpec = field(default_factory=lambda: MicroBatchSpec(**DEFAULT_MICRO_BATCH))
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        opt = self.optimizer
+        decay = opt.lr_decay_iters or self.train.steps
+        if opt.lr_warmup_iters >= decay:
+            raise ValueError(f"optimizer.lr_warmup_iters={opt.lr_warmup_iters} must be below the warmup + decay steps "
+                             f"({decay}: optimizer.lr_decay_iters, else train.steps)")
+        if opt.min_lr > self.train.lr:
+            raise ValueError(f"optimizer.min_lr={opt.min_lr} is above train.lr={self.train.lr}, the peak lr")
         if self.checkpoint.export_hf and self.model.random_init:
             raise ValueError("checkpoint.export_hf needs a model built from Hugging Face weights; model.random_init "
                              "models have none to map onto (set random_init: false)")

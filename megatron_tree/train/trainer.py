@@ -81,14 +81,35 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
 
 
 def make_optimizer(cfg: RunConfig, model: list[torch.nn.Module], cuda: bool):
-    """Megatron's Adam over ``model`` (``train.lr``; gradient clipping at 1.0 on GPUs only:
-    megatron-core's clipping asserts CUDA tensors)."""
+    """megatron-core's optimizer over ``model`` as ``cfg.optimizer`` says (peak lr ``train.lr``; on the CPU the
+    gradient clipping runs through ``runtime.cpu``'s shim)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    o = cfg.optimizer
     return get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=cfg.train.lr, bf16=cfg.train.bf16, clip_grad=1.0 if cuda else 0.0,
+        OptimizerConfig(optimizer=o.optimizer, lr=cfg.train.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                        sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad, bf16=cfg.train.bf16,
                         use_distributed_optimizer=False),
         model,
+    )
+
+
+def make_scheduler(cfg: RunConfig, optimizer):
+    """megatron-core's ``OptimizerParamScheduler`` of ``optimizer``: linear warmup from 0 over
+    ``optimizer.lr_warmup_iters`` steps to ``train.lr``, then ``lr_decay_style`` to ``min_lr`` at
+    ``lr_decay_iters`` (default ``train.steps``); constant weight decay. Stepped after every applied update;
+    a checkpoint's schedule must equal the run's (refused otherwise, at load)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    # constant: no decay steps (any value past the warmup), so a run resumed with more train.steps keeps its schedule
+    decay = o.lr_warmup_iters + 1 if o.lr_decay_style == "constant" else o.lr_decay_iters or cfg.train.steps
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.train.lr, min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=decay, lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False,
     )
 
 
@@ -301,6 +322,7 @@ class Trainer:
         hf_config = AutoConfig.from_pretrained(path)
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
+        self.scheduler = make_scheduler(cfg, self.optimizer)
         from megatron_tree.mcore.model_check import check_tree_model
 
         self.tree_model = uses_tree_model(cfg, self.cuda)
@@ -332,7 +354,7 @@ class Trainer:
         )
         if cfg.checkpoint.load:
             self.iteration, position, rng_restored = checkpoint.load_checkpoint(
-                cfg.checkpoint.load, self.model, self.optimizer)
+                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler)
             try:
                 self.source.restore(position)
             except ValueError as e:
@@ -430,7 +452,7 @@ class Trainer:
             last = self.iteration == self.cfg.train.steps
             if ckpt.save and (last or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
                 path = checkpoint.save_checkpoint(ckpt.save, self.iteration, self.model, self.optimizer,
-                                                  data=self.source.state())
+                                                  data=self.source.state(), scheduler=self.scheduler)
                 self._info(f"saved checkpoint {path}")
         if ckpt.export_hf:
             self.export_hf(ckpt.export_hf)
@@ -451,6 +473,7 @@ class Trainer:
                          share_prefixes=self.cfg.train.tree_training)
         pack_s = time.perf_counter() - t0
         extra: dict[str, Any] = {}
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it after the update)
         if self.ppo is None:
             for chunk in self.model:
                 chunk.zero_grad_buffer()
@@ -468,6 +491,8 @@ class Trainer:
                              may_update=self.may_update)
             loss, loss_tokens, grad_norm, skipped = (extra.pop(k) for k in ("loss", "loss_tokens", "grad_norm",
                                                                             "skipped"))
+        if not skipped:
+            self.scheduler.step(increment=1)
         if self.cuda:
             torch.cuda.synchronize()
         self.iteration += 1
@@ -475,7 +500,7 @@ class Trainer:
 
         record = step_record(self.iteration, loss, loss_tokens, mbs, self.spec, seqs, shares,
                              time.perf_counter() - t0, pack_s, grad_norm, skipped, self.cuda,
-                             schedule_slot_multiple(self.model[0])) | extra
+                             schedule_slot_multiple(self.model[0])) | {"lr": lr} | extra
         for sink in self.sinks:
             sink.write(record)
         return record

@@ -331,3 +331,43 @@ def test_skip_nonfinite_leaves_the_weights_unchanged(capsys, loss):
     out = capsys.readouterr().out
     assert f"step {skipped[0]}: non-finite " in out and "update skipped (train.skip_nonfinite), weights unchanged" in out
     assert f" iteration    {skipped[0]}/5 |" in out and out.count("| skipped") == len(skipped)
+
+
+def _run(tmp_path, name, *flags):
+    log = tmp_path / f"{name}.jsonl"
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), "--no-progress", *flags,
+                 "--log-jsonl", str(log)]) == 0
+    return records(log)
+
+
+def test_lr_schedule_is_megatrons_warmup_then_cosine(tmp_path):
+    """megatron-core's OptimizerParamScheduler under Megatron-LM's flag names: linear warmup from 0 over 2 steps,
+    cosine decay to --min-lr at step 6; the lr of each step's update is logged."""
+    import math
+
+    recs = _run(tmp_path, "cosine", "--train-iters", "6", "--lr", "3e-3", "--lr-warmup-iters", "2",
+                "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--tensor-model-parallel-size", "1")
+    expected = [3e-3 * n / 2 if n <= 2 else 1e-4 + 0.5 * (math.cos(math.pi * (n - 2) / 4) + 1) * (3e-3 - 1e-4)
+                for n in range(6)]
+    assert [r["lr"] for r in recs] == pytest.approx(expected, rel=1e-12)
+    assert recs[1]["loss"] == recs[0]["loss"]  # the first update ran at lr 0
+    assert recs[-1]["loss"] < recs[1]["loss"]
+
+
+def test_gradient_clipping_runs_on_the_cpu(tmp_path):
+    """--clip-grad bounds the update on the CPU too (megatron-core's clipping asserted CUDA gradients)."""
+    free = _run(tmp_path, "free", "--steps", "2", "--clip-grad", "0", "--weight-decay", "0")
+    tight = _run(tmp_path, "tight", "--steps", "2", "--clip-grad", "1e-9", "--weight-decay", "0", "--optimizer", "sgd",
+                 "--sgd-momentum", "0")
+    assert free[0]["loss"] == tight[0]["loss"] and free[0]["grad_norm"] == pytest.approx(tight[0]["grad_norm"])
+    assert abs(tight[1]["loss"] - tight[0]["loss"]) < 1e-6 < abs(free[1]["loss"] - free[0]["loss"])
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--lr-warmup-iters", "5", "--steps", "5"], "optimizer.lr_warmup_iters=5 must be below the warmup + decay steps"),
+    (["--min-lr", "1", "--lr", "1e-3"], "optimizer.min_lr=1.0 is above train.lr=0.001"),
+    (["--adam-beta2", "1"], "optimizer.adam_beta2 (--adam-beta2) must be in [0, 1)"),
+])
+def test_bad_optimizer_settings_are_one_line(tmp_path, capsys, flags, error):
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), *flags]) == 1
+    assert error in capsys.readouterr().err

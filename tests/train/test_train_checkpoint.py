@@ -206,3 +206,18 @@ def test_resuming_on_another_data_file_is_refused(tmp_path, rollouts, capsys):
     assert main([*common, "--data-path", other, "--steps", "2", "--load", str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"is in {rollouts!r}" in err and f"but data.path {other!r} is another file or changed since" in err, err
+
+
+def test_resume_continues_the_lr_schedule_and_refuses_another(tmp_path, capsys):
+    """The checkpoint holds megatron-core's OptimizerParamScheduler: 2 steps saved and resumed to 4 repeat the
+    uninterrupted cosine run's lrs, losses and grad norms; resuming under another schedule is refused in one line."""
+    sched = ["--config", CONFIG, "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--lr-decay-iters", "4",
+             "--min-lr", "1e-4"]
+    assert main([*sched, "--steps", "4", "--log-jsonl", str(tmp_path / "full.jsonl")]) == 0
+    assert main([*sched, "--steps", "2", "--save", str(tmp_path / "ckpt")]) == 0
+    assert main([*sched, "--steps", "4", "--load", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "res.jsonl")]) == 0
+    full, resumed = records(tmp_path / "full.jsonl"), records(tmp_path / "res.jsonl")
+    assert [(r["lr"], *e) for r, e in zip(resumed, exact(resumed))] == [(r["lr"], *e) for r, e in zip(full[2:], exact(full[2:]))]
+    assert main([*sched[:-2], "--min-lr", "2e-4", "--steps", "4", "--load", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the checkpoint's lr schedule differs from this run's: min_lr 0.0001 (this run: 0.0002)" in err, err
