@@ -269,6 +269,10 @@ def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: in
                          f"--max-tokens-per-mb or truncate the sequence")
     fields = {name: _token_array(record[name], name, ids.size, where)
               for name in TOKEN_FIELDS if record.get(name) is not None}
+    mask = fields.get("loss_mask")
+    if mask is not None and not mask[1:].any():
+        raise ValueError(f"{where}: field 'loss_mask' marks no token after the first, so the row trains nothing (the "
+                         f"first token has no prediction); mark the tokens to train on (the response) or drop the row")
     scalars = {name: _scalar(record.get(name), name, where) for name in ("group", "reward", "advantage")}
     return Rollout(input_ids=ids, **fields, **scalars, where=where)
 
@@ -325,11 +329,16 @@ class FileSource:
     def next_batch(self) -> RolloutBatch:
         rollouts: list[Rollout] = []
         groups_seen: list[Any] = []
+        from_top = self.row == 0 and self._pending is None
         while True:
             item = self._next_row()
             if item is None:  # end of file: this batch ends here, the next epoch starts at the top
                 if not rollouts and self.row == 0:
                     raise ValueError(f"{self.path}: no rollouts in the file")
+                if from_top and len(groups_seen) < self.batch_size:
+                    raise ValueError(f"data.batch_size (--batch-size) {self.batch_size} is more groups than {self.path} "
+                                     f"holds ({len(groups_seen)}): every step would be the whole file, short; pass "
+                                     f"--batch-size {len(groups_seen)} or less")
                 self.epoch, self.row, self.offset, self._rows = self.epoch + 1, 0, 0, None
                 if rollouts:
                     break

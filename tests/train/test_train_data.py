@@ -161,3 +161,19 @@ def test_synthetic_source_is_seeded_per_step():
     assert all(np.array_equal(x, y) for x, y in zip(second.sequences, again.sequences))
     assert not all(np.array_equal(x, y) for x, y in zip(first.sequences, second.sequences))
     assert len(first.sequences) == 6 and abs(first.advantages[:3].sum()) < 1e-9  # zero mean per prompt group
+
+
+def test_a_row_that_trains_nothing_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [1, 0, 0], "advantage": 1.0}])
+    with pytest.raises(ValueError, match=r"r.jsonl line 1: field .loss_mask. marks no token after the first"):
+        source(path).next_batch()
+
+
+def test_a_batch_larger_than_the_file_is_refused(tmp_path):
+    """README: the file is read again from the top when it ends; a batch of more groups than the file holds would
+    be the whole file every step, short of its size."""
+    rows = [{"input_ids": [1, 2, 3], "group": g, "advantage": 0.5} for g in (0, 0, 1, 1)]
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    assert len(source(path, batch_size=2).next_batch().sequences) == 4
+    with pytest.raises(ValueError, match=r"--batch-size\) 3 is more groups than .*r.jsonl holds \(2\).*--batch-size 2"):
+        source(path, batch_size=3).next_batch()
