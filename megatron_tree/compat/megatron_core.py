@@ -95,6 +95,23 @@ def mla_without_transformer_engine() -> list[AttrPatch]:
     return [AttrPatch(multi_latent_attention, "HAVE_TE", False, "TE absent: megatron-core's MLA imports mocks")]
 
 
+def forget_checkpoint_writer_queue() -> None:
+    """Drop megatron-core's cached queue of its checkpoint writers, whose spawn ``Manager`` process was stopped.
+
+    megatron-core (0.16 - 0.19 at least) starts a ``multiprocessing`` Manager at the first distributed
+    checkpoint save and keeps its queue in ``filesystem_async._results_queue`` for the process's life;
+    the Manager outlives the run (and, after a SIGKILL or SIGTERM, the trainer). The launcher stops it
+    when a run ends; the next save in the same process (runs one after another, tests) then needs a
+    new queue, so the cached one is forgotten. No-op where the module or the cache is absent.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        filesystem_async._results_queue = None
+
+
 def compat_patches() -> list[AttrPatch]:
     """The revertible megatron-core fixes this process needs (applied by :func:`megatron_tree.compat.apply_compat_patches`)."""
     return torch_optimizers_without_cuda() + local_attention_mla_channels() + mla_without_transformer_engine()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import warnings
 from typing import Any, Sequence
@@ -165,13 +166,24 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
 
 
+class Terminated(Exception):
+    """SIGTERM arrived (what Slurm, Kubernetes and torchrun send to stop a job)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), train, return the exit status. The trainer is
-    closed on every path (process groups, temporary model directory, sinks)."""
+    closed on every path (process groups, temporary model directory, sinks, checkpoint helper
+    processes), SIGTERM included: it stops the run between two operations with status 143 and one
+    line naming the last checkpoint (a save in progress is abandoned; the previous one stays)."""
     args = build_parser().parse_args(argv)
     _quiet_known_warnings()
     trainer = None
     status = 1
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         from megatron_tree.train.trainer import Trainer
 
@@ -187,7 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         status = 130
+    except Terminated:
+        latest = trainer.latest_checkpoint() if trainer is not None else None
+        resume = f"; the latest checkpoint is {latest} (resume with --load)" if latest else ""
+        print(f"{PROG}: terminated (SIGTERM){resume}", file=sys.stderr, flush=True)
+        status = 143
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if trainer is not None:
             trainer.close(failed=status != 0)
     return status

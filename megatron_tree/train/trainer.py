@@ -262,6 +262,25 @@ def _context_parallel_balance(mbs, cp: int, multiple: int) -> dict[str, Any]:
     return dict(cp_rank_pairs=[int(x) for x in total], cp_pair_imbalance=float(total.max() / total.mean()))
 
 
+def _stop_helper_processes(before: set, timeout: float = 5.0) -> None:
+    """End the multiprocessing children started since ``before`` (the set alive when the run began:
+    megatron-core's checkpoint writers and their spawn Manager), so none outlives the run: terminate,
+    wait up to ``timeout`` s, then kill."""
+    import multiprocessing
+
+    from megatron_tree.compat.megatron_core import forget_checkpoint_writer_queue
+
+    children = [child for child in multiprocessing.active_children() if child not in before]
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+    if children:
+        forget_checkpoint_writer_queue()
+
+
 def _why_not_dir(directory: str, error: OSError) -> str:
     """Why ``os.makedirs(directory)`` failed: the file in the way, if that is it, else the OS's reason."""
     if isinstance(error, (FileExistsError, NotADirectoryError)):
@@ -289,6 +308,9 @@ class Trainer:
         self.console: metrics.ConsoleSink | None = None
         self.iteration = 0
         self._closed = False
+        import multiprocessing
+
+        self._children_before = set(multiprocessing.active_children())
         try:
             self._setup(config_source)
         except BaseException:
@@ -554,6 +576,17 @@ class Trainer:
                 shutil.rmtree(self._tmp_dir, ignore_errors=True)
         finally:
             self._stack.close()
+            _stop_helper_processes(self._children_before)
+
+    def latest_checkpoint(self) -> str | None:
+        """The checkpoint a resume would load from ``checkpoint.save`` (None without one)."""
+        save = self.cfg.checkpoint.save
+        if not save or checkpoint.saved_iteration(save) is None:
+            return None
+        try:
+            return checkpoint.resolve_checkpoint(save)
+        except ValueError:
+            return None
 
     @staticmethod
     def _destroy_distributed() -> None:

@@ -371,3 +371,36 @@ def test_gradient_clipping_runs_on_the_cpu(tmp_path):
 def test_bad_optimizer_settings_are_one_line(tmp_path, capsys, flags, error):
     assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), *flags]) == 1
     assert error in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_in_one_line_and_leaves_no_helper_process(tmp_path):
+    """What Slurm / Kubernetes send: status 143, one line naming the checkpoint to resume from, and none of
+    megatron-core's checkpoint helpers (a spawn Manager) left running; the checkpoint then resumes."""
+    import signal
+    import time
+
+    import psutil
+
+    save = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, str(LAUNCHER), "--config", "configs/tiny_qwen3.yaml", "--steps", "500", "--no-progress",
+         "--save", str(save), "--save-interval", "1"],
+        cwd=REPO_ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "saved checkpoint" in line and "iter_0000002" in line:
+            break
+    helpers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("megatron-tree-train: terminated (SIGTERM); the latest checkpoint is ") and "iter_" in last
+    assert helpers  # the Manager of megatron-core's checkpoint writers (and the resource tracker)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                         for p in helpers):
+        time.sleep(0.2)
+    assert not [p for p in helpers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), "--load", str(save), "--steps", "12",
+                 "--no-progress"]) == 0
