@@ -17,6 +17,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 import warnings
 from typing import Any, Sequence
 
@@ -183,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_known_warnings()
     trainer = None
     status = 1
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         from megatron_tree.train.trainer import Trainer
 
@@ -205,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: terminated (SIGTERM){resume}", file=sys.stderr, flush=True)
         status = 143
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         if trainer is not None:
             trainer.close(failed=status != 0)
     return status
