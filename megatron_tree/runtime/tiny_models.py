@@ -22,6 +22,12 @@ _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0
 """DeepSeek-V3's RoPE scaling (its checkpoints' ``rope_scaling``): YaRN, softmax scale and cos / sin scaled by mscale."""
 
 
+_SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                       topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1)
+"""GLM-4.5's and DeepSeek-V3's MoE (the same HF keys): layer 0 dense, then 4 sigmoid-routed experts of FFN 32,
+2 groups of which 1 is chosen, top-2, routed scaling 2.5, one shared expert."""
+
+
 def tiny_hf_config(arch: str, **overrides: Any):
     """The Hugging Face config of the tiny ``arch`` model (defaults as :func:`save_tiny_hf_checkpoint`),
     changed by ``overrides``. A key the config class does not define raises ``ValueError``
@@ -87,15 +93,7 @@ def tiny_hf_config(arch: str, **overrides: Any):
             "Glm4MoeConfig",
             dict(
                 head_dim=16,
-                n_routed_experts=4,
-                n_shared_experts=1,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                n_group=2,
-                topk_group=1,
-                routed_scaling_factor=2.5,
-                norm_topk_prob=True,
-                first_k_dense_replace=1,
+                **_SIGMOID_ROUTER,
                 use_qk_norm=True,
                 attention_bias=True,
                 rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
@@ -112,15 +110,7 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 qk_nope_head_dim=16,
                 qk_rope_head_dim=8,
                 v_head_dim=12,
-                n_routed_experts=4,
-                n_shared_experts=1,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                n_group=2,
-                topk_group=1,
-                routed_scaling_factor=2.5,
-                norm_topk_prob=True,
-                first_k_dense_replace=1,
+                **_SIGMOID_ROUTER,
                 num_nextn_predict_layers=0,
                 max_position_embeddings=40 * 4096,  # YaRN: factor x original context, as DeepSeek-V3's config
                 rope_parameters=_DEEPSEEK_V3_YARN,

@@ -59,6 +59,20 @@ PIECES = [
 
 
 
+INPUT_IDS = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+
+
+def flat_logits(chunks):
+    """Logits ``[1, 9, V]`` of a flat model's first chunk on ``INPUT_IDS`` (eval mode, no grad)."""
+    with torch.no_grad():
+        return chunks[0].eval()(INPUT_IDS, torch.arange(9)[None], attention_mask=None)
+
+
+def hf_error(path, logits):
+    """Max |logits - HF's logits| of the checkpoint ``path`` on ``INPUT_IDS``."""
+    return (logits - hf_reference_logits(path, INPUT_IDS)).abs().max().item()
+
+
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
@@ -203,61 +217,53 @@ def test_export_weights_round_trips_hf_checkpoint(arch, tiny_paths, cpu_dist):
 
 def test_router_follows_norm_topk_prob(tmp_path, cpu_dist):
     path = save_tiny_hf_checkpoint("qwen3_moe", tmp_path, norm_topk_prob=False)
-    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
         bridge, chunks = build_flat_model(path)
-        with torch.no_grad():
-            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        logits = flat_logits(chunks)
         assert bridge.config.moe_router_pre_softmax
         bridge.set_extra_args(moe_router_pre_softmax=False)  # an explicit choice wins
         assert not bridge.config.moe_router_pre_softmax
-    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+    assert hf_error(path, logits) < 1e-5
 
 
 def test_qwen2_moe_keeps_its_shared_expert_gate(tmp_path, cpu_dist):
     path = save_tiny_hf_checkpoint("qwen2_moe", tmp_path)
-    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
         bridge, chunks = build_flat_model(path)
         assert sum(name.endswith("shared_experts.gate_weight") for name, _ in chunks[0].named_parameters()) == 2
-        with torch.no_grad():
-            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        logits = flat_logits(chunks)
     bridge.set_extra_args(attention_dropout=0.0)  # rebuilt after the block: the gate stays
     assert bridge.config.moe_shared_expert_gate
-    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+    assert hf_error(path, logits) < 1e-5
 
 
 def test_mixtral_router_renormalises_top_k(tmp_path, cpu_dist):
     """mbridge 0.15.1 builds Mixtral's router with unnormalised top-k probabilities; HF renormalises them."""
     path = save_tiny_hf_checkpoint("mixtral", tmp_path)
-    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
         bridge, chunks = build_flat_model(path)
-        with torch.no_grad():
-            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        logits = flat_logits(chunks)
         assert not bridge.config.moe_router_pre_softmax
         bridge.set_extra_args(moe_router_pre_softmax=True)  # an explicit choice wins
         assert bridge.config.moe_router_pre_softmax
     bridge.extra_args.pop("moe_router_pre_softmax")
     bridge.set_extra_args(attention_dropout=0.0)  # rebuilt after the block: the fix stays
     assert not bridge.config.moe_router_pre_softmax
-    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+    assert hf_error(path, logits) < 1e-5
 
 
 def test_glm4_moe_routes_within_groups_and_sizes_its_shared_experts(tmp_path, cpu_dist):
     """mbridge 0.15.1 drops GLM-4.5's n_group / topk_group and sizes the shared experts for one; with two
     groups of which one is chosen and two shared experts the logits then differ from HF's."""
     path = save_tiny_hf_checkpoint("glm4_moe", tmp_path, n_shared_experts=2)
-    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
         bridge, chunks = build_flat_model(path)
-        with torch.no_grad():
-            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        logits = flat_logits(chunks)
         config = bridge.config
         assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
         assert config.moe_shared_expert_intermediate_size == 64 and not config.moe_shared_expert_gate
         assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
-    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+    assert hf_error(path, logits) < 1e-5
 
 
 def test_deepseek_v3_builds_loads_and_matches_hf(tmp_path, cpu_dist):
@@ -268,11 +274,9 @@ def test_deepseek_v3_builds_loads_and_matches_hf(tmp_path, cpu_dist):
     from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
     path = save_tiny_hf_checkpoint("deepseek_v3", tmp_path)
-    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
         bridge, chunks = build_flat_model(path)
-        with torch.no_grad():
-            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        logits = flat_logits(chunks)
     config = bridge.config
     assert (config.rope_type, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
     assert config.original_max_position_embeddings == 4096 and config.mtp_num_layers is None
@@ -281,7 +285,7 @@ def test_deepseek_v3_builds_loads_and_matches_hf(tmp_path, cpu_dist):
     assert type(bridge._get_safetensor_io(path)) is SafeTensorIO  # kept on the bridge after the block
     with pytest.raises(TypeError):  # mbridge's own: raise NotImplemented(...)
         DeepseekV3Bridge._get_safetensor_io(bridge, path)
-    assert (logits - hf_reference_logits(path, input_ids)).abs().max().item() < 1e-5
+    assert hf_error(path, logits) < 1e-5
 
 
 def test_mla_rope_arguments_follow_hf_defaults():
@@ -324,14 +328,13 @@ def test_weight_export_leaves_no_autograd_warning_behind(tiny_paths, cpu_dist):
     tensor that an in-place collective has no autograd kernel ("may lead to silently incorrect behavior")."""
     import warnings
 
-    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
         bridge, chunks = build_flat_model(tiny_paths["qwen2"])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             exported = dict(bridge.export_weights(chunks))
             assert torch.is_grad_enabled()  # no_grad only while the generator runs
-            chunks[0](input_ids, torch.arange(9)[None], attention_mask=None).sum().backward()
+            chunks[0](INPUT_IDS, torch.arange(9)[None], attention_mask=None).sum().backward()
     assert exported and not [w for w in caught if "autograd kernel was not registered" in str(w.message)]
 
 
@@ -340,15 +343,13 @@ def test_tied_bridge_keeps_its_output_mapping_to_itself(tmp_path, cpu_dist):
     under the patches it stays on that bridge, and an untied model built later loads its lm_head."""
     tied = save_tiny_hf_checkpoint("qwen2", tmp_path / "tied", tie_word_embeddings=True)
     untied = save_tiny_hf_checkpoint("qwen2", tmp_path / "untied")
-    input_ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
     with apply_compat_patches(), cpu_mode():
         tied_bridge, _ = build_flat_model(tied)
         _, chunks = build_flat_model(untied)
-        with torch.no_grad():
-            logits = chunks[0].eval()(input_ids, torch.arange(9)[None], attention_mask=None)
+        logits = flat_logits(chunks)
     assert tied_bridge._DIRECT_MAPPING["output_layer.weight"] == "model.embed_tokens.weight"
     assert type(tied_bridge)._DIRECT_MAPPING["output_layer.weight"] == "lm_head.weight"
-    assert (logits - hf_reference_logits(untied, input_ids)).abs().max().item() < 1e-5
+    assert hf_error(untied, logits) < 1e-5
 
 
 class _Wrapped(torch.nn.Module):
