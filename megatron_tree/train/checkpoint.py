@@ -230,10 +230,10 @@ def _newest_complete(root: str, why: str) -> str:
     return chosen
 
 
-def load_checkpoint(path: str, model: list, optimizer, scheduler=None) -> tuple[int, dict[str, Any], bool]:
+def load_checkpoint(path: str, model: list, optimizer, scheduler=None) -> tuple[str, int, dict[str, Any], bool]:
     """Load model, optimizer, lr schedule (into ``scheduler``: its schedule must equal the saved one) and
     RNG state from ``path`` (see :func:`resolve_checkpoint`).
-    Returns ``(iteration, data position, whether the RNG state was restored)``."""
+    Returns ``(checkpoint directory loaded, iteration, data position, whether the RNG state was restored)``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.utils import unwrap_model
@@ -273,7 +273,7 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None) -> tuple[
                              f"resume with the optimizer settings it was saved with") from None
     if has_rng:
         _set_rng_state(loaded["rng_state"])
-    return int(common["iteration"]), common["data"], has_rng
+    return path, int(common["iteration"]), common["data"], has_rng
 
 
 

@@ -375,13 +375,13 @@ class Trainer:
             need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.loss == "grpo" and cfg.train.kl_coef > 0,
         )
         if cfg.checkpoint.load:
-            self.iteration, position, rng_restored = checkpoint.load_checkpoint(
+            loaded, self.iteration, position, rng_restored = checkpoint.load_checkpoint(
                 cfg.checkpoint.load, self.model, self.optimizer, self.scheduler)
             try:
                 self.source.restore(position)
             except ValueError as e:
-                raise ValueError(f"--load {checkpoint.resolve_checkpoint(cfg.checkpoint.load)}: {e}") from None
-            self._info(f"resumed from {checkpoint.resolve_checkpoint(cfg.checkpoint.load)} at iteration "
+                raise ValueError(f"--load {loaded}: {e}") from None
+            self._info(f"resumed from {loaded} at iteration "
                        f"{self.iteration}" + ("" if rng_restored else " (RNG state not restored: other world size)"))
         if self.rank == 0:
             self._open_sinks(config_source)
