@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_tree.mcore.bridge import build_tree_model
 from megatron_tree.compat import apply_compat_patches
 from megatron_tree.mcore.rope import TreeRotaryEmbedding
-from megatron_tree.runtime import cpu_mode, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.runtime import cpu_mode, destroy_distributed, init_cpu_distributed, save_tiny_hf_checkpoint
 from megatron_tree.mcore.verify import verify_tree_model
 
 
@@ -53,6 +53,7 @@ def main():
                 f"grad_tolerance={report.grad_tolerance:.3e}",
                 flush=True,
             )
+    destroy_distributed()  # as the other scripts: gloo's threads left to interpreter exit can abort it
     sys.exit(0)
 
 
