@@ -1,0 +1,85 @@
+"""Every tiny model family on one GPU, fp32 with TF32 off: tree log-probs vs Hugging Face per sequence,
+and parameter gradients (full recompute) vs the upstream model run per sequence.
+
+Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/families_gpu.py WORK_DIR [--no-te] [ARCH ...]
+(``tests/mcore/test_families_gpu.py`` runs it both ways). With Transformer Engine importable the
+models are built on the TE spec (mbridge builds it whenever TE runs); ``--no-te`` hides TE from
+this process first (megatron-core's local spec on the GPU). Hugging Face runs on the CPU in fp32.
+Prints one line per family, ``ARCH spec=te|local logprob=... grad=...``, and exits 1 when any
+family is off by more than 1e-5 (or fails to build / run, with the error on its line).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--no-te" in sys.argv:  # before megatron-core looks for TE: its imports then see none
+    sys.modules.update(transformer_engine=None, transformer_engine_torch=None)
+
+import torch  # noqa: E402
+from scripts.parity_common import (  # noqa: E402
+    branching_forest,
+    build_model,
+    flat_logprobs,
+    hf_logprobs,
+    max_diff,
+    micro_batches,
+    param_grads,
+    relative_grad_error,
+    tree_logprobs,
+    weighted_sum,
+)
+
+from megatron_tree.compat import apply_compat_patches  # noqa: E402
+from megatron_tree.core.platform import have_transformer_engine  # noqa: E402
+from megatron_tree.runtime import TINY_ARCHS, destroy_distributed, init_cpu_distributed, save_tiny_hf_checkpoint  # noqa: E402
+
+TOL = 1e-5
+
+
+def check(arch: str, work_dir: str) -> tuple[float, float]:
+    """(max |tree - HF| log-prob, relative gradient error tree vs per-sequence upstream) for one family."""
+    path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, arch))
+    seqs = branching_forest()
+    mbs = micro_batches(seqs)
+    tree = build_model(path, tree=True, recompute="full")[0]
+    with torch.no_grad():
+        lp_err = max_diff(tree_logprobs(tree.eval(), mbs), hf_logprobs(path, seqs))
+    tree.train()
+    for mb in mbs:  # one micro-batch at a time, as training does
+        weighted_sum(tree_logprobs(tree, [mb])).backward()
+    flat = build_model(path, tree=False)[0].train()
+    weighted_sum(flat_logprobs(flat, seqs)).backward()
+    return lp_err, relative_grad_error(param_grads(tree), param_grads(flat))
+
+
+def main(argv: list[str]) -> int:
+    work_dir, *archs = [a for a in argv if a != "--no-te"]
+    if not torch.cuda.is_available():
+        print("families_gpu: needs a CUDA GPU")
+        return 2
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") != "0":
+        print("families_gpu: set NVIDIA_TF32_OVERRIDE=0 (Transformer Engine's fp32 GEMMs use TF32 otherwise)")
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    spec = "te" if have_transformer_engine() else "local"
+    failed = 0
+    with apply_compat_patches():
+        init_cpu_distributed(tp=1)
+        for arch in archs or TINY_ARCHS:
+            try:
+                lp, grad = check(arch, work_dir)
+                ok = lp < TOL and grad < TOL
+                print(f"{arch} spec={spec} logprob={lp:.3g} grad={grad:.3g}{'' if ok else ' FAIL'}", flush=True)
+            except Exception as e:  # one family's failure must not hide the others' results
+                ok = False
+                print(f"{arch} spec={spec} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+            failed += not ok
+            torch.cuda.empty_cache()
+        destroy_distributed()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
