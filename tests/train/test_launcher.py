@@ -400,9 +400,10 @@ def test_bad_optimizer_settings_are_one_line(tmp_path, capsys, flags, error):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_run_in_one_line_and_leaves_no_helper_process(tmp_path):
-    """What Slurm / Kubernetes send: status 143, one line naming the checkpoint to resume from, and none of
-    megatron-core's checkpoint helpers (a spawn Manager) left running; the checkpoint then resumes."""
+def test_sigterm_saves_the_step_in_flight_and_leaves_no_helper_process(tmp_path):
+    """What Slurm / Kubernetes send, after the save of step 3 (--save-interval 3): the step in flight ends, is
+    saved although no save was due (as Megatron-LM's --exit-signal-handler), status 143, one line naming that
+    checkpoint; none of megatron-core's checkpoint helpers (a spawn Manager) is left running; it resumes."""
     import signal
     import time
 
@@ -411,17 +412,22 @@ def test_sigterm_stops_the_run_in_one_line_and_leaves_no_helper_process(tmp_path
     save = tmp_path / "ckpt"
     proc = subprocess.Popen(
         [sys.executable, str(LAUNCHER), "--config", "configs/tiny_qwen3.yaml", "--steps", "500", "--no-progress",
-         "--save", str(save), "--save-interval", "1"],
+         "--save", str(save), "--save-interval", "3"],
         cwd=REPO_ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if "saved checkpoint" in line and "iter_0000002" in line:
+        if "saved checkpoint" in line and "iter_0000003" in line:
             break
     helpers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    steps = [3, *(int(m) for m in re.findall(r"iteration +(\d+)/500", out))]  # the steps logged after 3
+    assert saved == steps[-1] > 3, (saved, steps)  # the step in flight, not the last one due (3)
+    assert f"saved checkpoint {save}/iter_{saved:07d}" in out
     last = err.strip().splitlines()[-1]
-    assert last.startswith("megatron-tree-train: terminated (SIGTERM); the latest checkpoint is ") and "iter_" in last
+    assert last == (f"megatron-tree-train: terminated (SIGTERM); the latest checkpoint is {save}/iter_{saved:07d} "
+                    f"(resume with --load)"), last
     assert helpers  # the Manager of megatron-core's checkpoint writers (and the resource tracker)
     deadline = time.time() + 10
     while time.time() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
