@@ -171,27 +171,34 @@ class Terminated(Exception):
     """SIGTERM arrived (what Slurm, Kubernetes and torchrun send to stop a job)."""
 
 
-def _terminate(signum, frame):
-    raise Terminated
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), train, return the exit status. The trainer is
     closed on every path (process groups, temporary model directory, sinks, checkpoint helper
-    processes), SIGTERM included: it stops the run between two operations with status 143 and one
-    line naming the last checkpoint (a save in progress is abandoned; the previous one stays)."""
+    processes), SIGTERM included, which ends the run with status 143 and one line naming the latest
+    checkpoint: during the steps, after the step in flight, saved first when ``--save`` is set (as
+    Megatron-LM's ``--exit-signal-handler``; a second SIGTERM stops at once); before or after them
+    (set-up, export), between two operations. SIGINT (Ctrl-C) stops at once, status 130, no save."""
     args = build_parser().parse_args(argv)
     _quiet_known_warnings()
     trainer = None
     status = 1
+
+    def terminate(signum, frame):
+        if trainer is not None and trainer.in_steps and not trainer.stop_requested:
+            trainer.stop_requested = True  # the trainer saves and stops after this step
+        else:
+            raise Terminated
+
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, terminate) if main_thread else None
     try:
         from megatron_tree.train.trainer import Trainer
 
         cfg = config_from_args(args)
         trainer = Trainer(cfg, config_source=args.config or "built-in")
         trainer.train()
+        if trainer.stop_requested:
+            raise Terminated
         status = 0
     except (ValueError, OSError) as e:
         if args.traceback:

@@ -21,6 +21,7 @@ value and what is valid (``RunConfig.from_yaml`` prefixes the file name). Each f
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import types
@@ -160,20 +161,49 @@ class ModelConfig(_Section):
                     f"model.hf_overrides applies to the random tiny model of model.arch only, not to "
                     f"model.hf_path={self.hf_path!r}; drop one of them"
                 )
-            if not os.path.isfile(os.path.join(self.hf_path, "config.json")):
+            config_json = os.path.join(self.hf_path, "config.json")
+            if not os.path.isfile(config_json):
                 raise ValueError(
                     f"model.hf_path {self.hf_path!r} is not a Hugging Face checkpoint directory (no config.json "
                     f"there); pass a local directory, e.g. from `huggingface-cli download Qwen/Qwen3-0.6B "
                     f"--local-dir DIR`"
                 )
+            try:
+                with open(config_json, "rb") as f:
+                    values = json.load(f)
+            except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError: both ValueErrors
+                raise ValueError(f"model.hf_path: {config_json} is not a readable JSON file ({e}); download the "
+                                 f"checkpoint's config.json again") from None
+            if not isinstance(values, dict):
+                raise ValueError(f"model.hf_path: {config_json} holds {type(values).__name__}, not a JSON object")
+            _check_model_sizes(values, lambda key: f"model.hf_path: {config_json}'s {key}", "; fix that file")
             return
         self._need(self.arch in ARCHS, "arch", f"one of {ARCHS} (or set model.hf_path)")
         from megatron_tree.runtime import tiny_hf_config
 
         try:
-            tiny_hf_config(self.arch, **self.hf_overrides)
+            hf_config = tiny_hf_config(self.arch, **self.hf_overrides)
         except Exception as e:  # unknown keys (ValueError); HF's own checks of the values (several types)
             raise ValueError(f"model.hf_overrides: {' '.join(str(e).split())}") from None
+        _check_model_sizes(hf_config.to_dict(), lambda key: f"model.hf_overrides.{key}", "")
+
+
+# Hugging Face config keys that size a model's weights: each, where a config has it and it is not null, must be an
+# int >= 1 (transformers takes -64 or 0 and the model fails to build with a traceback, or builds with no layers)
+MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+               "num_local_experts", "n_routed_experts", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+               "v_head_dim", "max_position_embeddings")
+
+
+def _check_model_sizes(values: Mapping[str, Any], where, fix: str) -> None:
+    """ValueError unless each of :data:`MODEL_SIZES` in the HF config ``values`` is null or an int >= 1;
+    ``where(key)`` names the key in the message (``model.hf_overrides.hidden_size``, a config.json's key),
+    ``fix`` ends it."""
+    for key in MODEL_SIZES:
+        value = values.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where(key)} is {value!r}, but a model needs an int >= 1 there{fix}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +292,7 @@ class TrainConfig(_Section):
 
     def _check(self) -> None:
         self._need(self.steps >= 1, "steps", "an int >= 1")
+        self._need(0 <= self.seed < 2**32, "seed", "an int in [0, 2**32 - 1] (NumPy's seed range)")
         self._need(self.lr > 0, "lr", "> 0")
         self._need(self.kl_coef >= 0, "kl_coef", ">= 0")
         self._need(0 < self.clip_eps < 1, "clip_eps", "in (0, 1)")
@@ -381,10 +412,13 @@ class RunConfig:
     def from_yaml(cls, path: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> "RunConfig":
         """Read ``path``, apply ``overrides`` (``{section: {key: value}}``, e.g. from flags), validate."""
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 raw = yaml.safe_load(f)
         except FileNotFoundError:
             raise ValueError(f"config file {path!r} does not exist; pass --config with a YAML file (see configs/)") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not a YAML text file (it holds byte {e.object[e.start]:#04x}, not UTF-8 "
+                             f"text); pass --config with a YAML file (see configs/)") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -381,6 +381,9 @@ class FileSource:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    except UnicodeDecodeError as e:
+                        raise ValueError(f"{where}: not JSON text (it holds byte {e.object[e.start]:#04x}, not UTF-8); "
+                                         f"--data-path takes a JSONL file, one JSON object per line") from None
                     if not isinstance(record, dict):
                         raise ValueError(f"{where}: expected a JSON object with 'input_ids', got {line[:40]!r}")
                     _check_names(list(record), where)
@@ -389,10 +392,14 @@ class FileSource:
 
     def _parquet_file(self):
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError(f"reading {self.path} needs pyarrow: pip install pyarrow (or use a .jsonl file)") from None
-        f = pq.ParquetFile(self.path)
+        try:
+            f = pq.ParquetFile(self.path)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{self.path}: not a readable Parquet file ({e}); write it again") from None
         names = f.schema_arrow.names
         _check_names(names, self.path)
         if "input_ids" not in names:
@@ -400,6 +407,8 @@ class FileSource:
         return f
 
     def _parquet_rows(self) -> Iterator[tuple[int, int, Rollout]]:
+        import pyarrow as pa
+
         f = self._parquet_file()
         columns = [c for c in FIELDS if c in f.schema_arrow.names]
         # Skip whole row groups before the saved row, then the rest of the first one read.
@@ -411,14 +420,19 @@ class FileSource:
                 continue
             groups.append(i)
         row = self.row
-        for batch in f.iter_batches(batch_size=PARQUET_ROWS_PER_READ, row_groups=groups, columns=columns):
-            if skip >= batch.num_rows:
-                skip -= batch.num_rows
-                continue
-            for record in batch.slice(skip).to_pylist():
-                yield row, 0, parse_rollout(record, f"{self.path} row {row + 1}", vocab=self.vocab, max_len=self.max_len)
-                row += 1
-            skip = 0
+        try:
+            for batch in f.iter_batches(batch_size=PARQUET_ROWS_PER_READ, row_groups=groups, columns=columns):
+                if skip >= batch.num_rows:
+                    skip -= batch.num_rows
+                    continue
+                for record in batch.slice(skip).to_pylist():
+                    yield row, 0, parse_rollout(record, f"{self.path} row {row + 1}", vocab=self.vocab,
+                                                max_len=self.max_len)
+                    row += 1
+                skip = 0
+        except (pa.ArrowException, OSError) as e:  # pyarrow's errors of damaged data (ours are plain ValueErrors)
+            raise ValueError(f"{self.path}: damaged Parquet data, reading from row {row + 1} ({e}); write the file "
+                             f"again") from None
 
 
 def open_rollout_source(data: DataConfig, *, vocab: int, max_len: int, seed: int, need_advantages: bool,

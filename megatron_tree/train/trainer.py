@@ -308,6 +308,8 @@ class Trainer:
         self.console: metrics.ConsoleSink | None = None
         self.iteration = 0
         self._closed = False
+        self.in_steps = False  # while train() runs steps: a SIGTERM then only sets stop_requested
+        self.stop_requested = False
         import multiprocessing
 
         self._children_before = set(multiprocessing.active_children())
@@ -464,21 +466,40 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> list[dict[str, Any]]:
-        """Run steps ``iteration + 1 .. train.steps``; returns their records (same on every rank)."""
+        """Run steps ``iteration + 1 .. train.steps``; returns their records (same on every rank).
+
+        ``stop_requested`` (set by the launcher's SIGTERM handler while ``in_steps``) ends the run after the step
+        in flight, as Megatron-LM's ``--exit-signal-handler``: the ranks agree on it after each step (one
+        all-reduce), the step is saved when ``checkpoint.save`` is set (unless its save was due anyway), and
+        ``train`` returns without the export."""
         records = []
         ckpt = self.cfg.checkpoint
         if self.iteration >= self.cfg.train.steps:
             self._info(f"nothing to train: iteration {self.iteration} >= train.steps {self.cfg.train.steps}; raise --steps")
-        while self.iteration < self.cfg.train.steps:
-            records.append(self.step(self.source.next_batch()))
-            last = self.iteration == self.cfg.train.steps
-            if ckpt.save and (last or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
-                path = checkpoint.save_checkpoint(ckpt.save, self.iteration, self.model, self.optimizer,
-                                                  data=self.source.state(), scheduler=self.scheduler)
-                self._info(f"saved checkpoint {path}")
+        self.in_steps = True
+        try:
+            while self.iteration < self.cfg.train.steps:
+                records.append(self.step(self.source.next_batch()))
+                stop = self._stop_agreed()
+                last = self.iteration == self.cfg.train.steps
+                if ckpt.save and (last or stop or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
+                    path = checkpoint.save_checkpoint(ckpt.save, self.iteration, self.model, self.optimizer,
+                                                      data=self.source.state(), scheduler=self.scheduler)
+                    self._info(f"saved checkpoint {path}")
+                if stop:
+                    return records
+        finally:
+            self.in_steps = False
         if ckpt.export_hf:
             self.export_hf(ckpt.export_hf)
         return records
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank has ``stop_requested`` (one all-reduce; every rank then stops after the same step)."""
+        flag = torch.tensor([float(self.stop_requested)], device="cuda" if self.cuda else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stop_requested = bool(flag.item())
+        return self.stop_requested
 
     def step(self, batch: RolloutBatch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns the step's record (written to the sinks)."""

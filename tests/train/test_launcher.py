@@ -124,6 +124,11 @@ def test_yaml_configs_load():
         ({"train": {"kl_coef": 0.1}}, "train.kl_coef=0.1 applies to losses grpo and ppo only"),
         ({"data": {"path": "rollouts.csv"}}, "data.path must be a file ending in .jsonl or .parquet"),
         ({"logging": {"wandb_mode": "cloud"}}, "logging.wandb_mode must be one of"),
+        ({"model": {"hf_overrides": {"hidden_size": -64}}}, "model.hf_overrides.hidden_size is -64, but a model "
+                                                            "needs an int >= 1 there"),
+        ({"model": {"hf_overrides": {"num_hidden_layers": 0}}}, "model.hf_overrides.num_hidden_layers is 0"),
+        ({"model": {"hf_overrides": {"vocab_size": 0}}}, "model.hf_overrides.vocab_size is 0"),
+        ({"train": {"seed": -1}}, "train.seed must be an int in [0, 2**32 - 1] (NumPy's seed range), got -1"),
     ],
 )
 def test_bad_config_values_are_named(raw, message):
@@ -137,6 +142,26 @@ def test_malformed_yaml_is_one_line(tmp_path):
     bad.write_text("model:\n  arch: qwen3\n hf_overrides: [\n")
     with pytest.raises(ValueError, match=r"bad.yaml: not valid YAML at line 3, column 2"):
         RunConfig.from_yaml(str(bad))
+
+
+def test_a_binary_config_file_is_one_line_naming_it(tmp_path):
+    bad = tmp_path / "run.yaml"
+    bad.write_bytes(b"\x80\x81 model weights, not YAML")
+    with pytest.raises(ValueError, match=r"run.yaml: not a YAML text file \(it holds byte 0x80, not UTF-8 text\)"):
+        RunConfig.from_yaml(str(bad))
+
+
+def test_a_checkpoint_config_json_of_bad_sizes_is_named(tmp_path):
+    """model.hf_path: the checkpoint's config.json is read with the run config; a size < 1 (a model of no
+    layers builds and trains nothing) or an unreadable file is refused naming the file and key."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 0}))
+    with pytest.raises(ValueError, match=re.escape(f"model.hf_path: {config}'s num_hidden_layers is 0, but a model "
+                                                   f"needs an int >= 1 there; fix that file")):
+        RunConfig.from_dict({"model": {"hf_path": str(tmp_path)}})
+    config.write_text("")
+    with pytest.raises(ValueError, match=re.escape(f"model.hf_path: {config} is not a readable JSON file")):
+        RunConfig.from_dict({"model": {"hf_path": str(tmp_path)}})
 
 
 def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
@@ -177,6 +202,7 @@ def test_layers_must_split_over_pipeline_stages():
     [
         (["--steps", "0"], "train.steps (--steps) must be an int >= 1, got 0"),
         (["--lr", "inf"], "train.lr (--lr) must be a finite number, got inf"),
+        (["--seed", "-1"], "train.seed (--seed) must be an int in [0, 2**32 - 1]"),
         (["--hf-path", "/nonexistent"], "model.hf_path (--hf-path) '/nonexistent' is not a Hugging Face checkpoint"),
         (["--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
         (["--tp", "2"], "world size 1 is not divisible by tp * pp * cp = 2 * 1 * 1"),
@@ -374,9 +400,10 @@ def test_bad_optimizer_settings_are_one_line(tmp_path, capsys, flags, error):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_run_in_one_line_and_leaves_no_helper_process(tmp_path):
-    """What Slurm / Kubernetes send: status 143, one line naming the checkpoint to resume from, and none of
-    megatron-core's checkpoint helpers (a spawn Manager) left running; the checkpoint then resumes."""
+def test_sigterm_saves_the_step_in_flight_and_leaves_no_helper_process(tmp_path):
+    """What Slurm / Kubernetes send, after the save of step 3 (--save-interval 3): the step in flight ends, is
+    saved although no save was due (as Megatron-LM's --exit-signal-handler), status 143, one line naming that
+    checkpoint; none of megatron-core's checkpoint helpers (a spawn Manager) is left running; it resumes."""
     import signal
     import time
 
@@ -385,17 +412,22 @@ def test_sigterm_stops_the_run_in_one_line_and_leaves_no_helper_process(tmp_path
     save = tmp_path / "ckpt"
     proc = subprocess.Popen(
         [sys.executable, str(LAUNCHER), "--config", "configs/tiny_qwen3.yaml", "--steps", "500", "--no-progress",
-         "--save", str(save), "--save-interval", "1"],
+         "--save", str(save), "--save-interval", "3"],
         cwd=REPO_ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if "saved checkpoint" in line and "iter_0000002" in line:
+        if "saved checkpoint" in line and "iter_0000003" in line:
             break
     helpers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    steps = [3, *(int(m) for m in re.findall(r"iteration +(\d+)/500", out))]  # the steps logged after 3
+    assert saved == steps[-1] > 3, (saved, steps)  # the step in flight, not the last one due (3)
+    assert f"saved checkpoint {save}/iter_{saved:07d}" in out
     last = err.strip().splitlines()[-1]
-    assert last.startswith("megatron-tree-train: terminated (SIGTERM); the latest checkpoint is ") and "iter_" in last
+    assert last == (f"megatron-tree-train: terminated (SIGTERM); the latest checkpoint is {save}/iter_{saved:07d} "
+                    f"(resume with --load)"), last
     assert helpers  # the Manager of megatron-core's checkpoint writers (and the resource tracker)
     deadline = time.time() + 10
     while time.time() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"

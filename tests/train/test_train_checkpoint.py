@@ -152,15 +152,17 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoints_and_tracker(tmp_pa
     assert exact(records(tmp_path / "resumed.jsonl")) == exact(records(tmp_path / "full.jsonl")[2:])
 
 
-@pytest.mark.parametrize("tracker", ["", "garbage", "9"])
-def test_a_damaged_tracker_falls_back_to_the_newest_complete_checkpoint(tmp_path, tracker):
+@pytest.mark.parametrize("tracker", [b"", b"garbage", b"9", b"\x00\xff\x12 binary"])
+def test_a_damaged_tracker_falls_back_to_the_newest_complete_checkpoint(saved, tmp_path, tracker):
     """An empty or garbled tracker, or one naming a checkpoint that is not there: --load DIR resumes from the
     newest complete iter_* with a warning, and a fresh --save DIR still refuses to start over it."""
     from megatron_tree.train import checkpoint
 
+    import shutil
+
     save = tmp_path / "ckpt"
-    assert main(["--config", CONFIG, "--steps", "2", "--save", str(save), "--save-interval", "1"]) == 0
-    (save / checkpoint.TRACKER_FILE).write_text(tracker)
+    shutil.copytree(saved, save)
+    (save / checkpoint.TRACKER_FILE).write_bytes(tracker)
     with pytest.warns(UserWarning, match="resuming from the newest complete checkpoint, .*iter_0000002"):
         assert checkpoint.resolve_checkpoint(str(save)) == str(save / "iter_0000002")
     with pytest.raises(ValueError, match="already holds checkpoints up to iteration"):
@@ -221,3 +223,53 @@ def test_resume_continues_the_lr_schedule_and_refuses_another(tmp_path, capsys):
     assert main([*sched[:-2], "--min-lr", "2e-4", "--steps", "4", "--load", str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the checkpoint's lr schedule differs from this run's: min_lr 0.0001 (this run: 0.0002)" in err, err
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run of 2 steps saved after each (iter_0000001, iter_0000002): the damage tests copy it."""
+    save = tmp_path_factory.mktemp("saved") / "ckpt"
+    assert main(["--config", CONFIG, "--steps", "2", "--save", str(save), "--save-interval", "1"]) == 0
+    return save
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # file of iter_0000002 -> (what is done to it, what the error says of it)
+    "flipped byte": ("__0_0.distcp", _flip, "its SHA-256 is not the one saved in checksums.json"),
+    "truncated shard": ("__0_1.distcp", lambda p: p.write_bytes(p.read_bytes()[:1000]), "1000 bytes, saved with"),
+    "empty shard": ("__0_0.distcp", lambda p: p.write_bytes(b""), "0 bytes, saved with"),
+    "missing common.pt": ("common.pt", lambda p: p.unlink(), "missing"),
+    "empty metadata.json": ("metadata.json", lambda p: p.write_bytes(b""), "unreadable: Expecting value"),
+    "no checksums, truncated shard": ("__0_0.distcp", lambda p: (p.with_name("checksums.json").unlink(),
+                                                                 p.write_bytes(p.read_bytes()[:1000])), None),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(saved, tmp_path, capsys, case):
+    """Every file of a checkpoint has its size and SHA-256 in checksums.json, verified at load: a flipped byte (which
+    loads silently otherwise), a truncated or empty shard, a missing common.pt or a damaged metadata.json is one line
+    naming the file and the earlier checkpoint to load. A checkpoint without checksums.json (saved before them) is
+    not verified; torch's EOFError is then named (our message had an IndexError of its own)."""
+    import shutil
+
+    name, damage, why = DAMAGE[case]
+    save = tmp_path / "ckpt"
+    shutil.copytree(saved, save)
+    damage(save / "iter_0000002" / name)
+    assert main(["--config", CONFIG, "--steps", "3", "--load", str(save)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not any("Traceback" in line for line in err), err
+    if why is None:
+        assert err[-1] == (f"megatron-tree-train: error: --load {save}/iter_0000002: the checkpoint does not load "
+                           f"into this model (EOFError): it was saved with another model config or parallel layout "
+                           f"(resume with those), or a file of it is damaged"), err
+        return
+    assert err[-1].startswith(f"megatron-tree-train: error: --load {save}/iter_0000002: {save}/iter_0000002/{name} "
+                              f"is damaged ({why}"), err
+    assert err[-1].endswith(f"; --load an earlier checkpoint, e.g. --load {save}/iter_0000001"), err

@@ -140,6 +140,24 @@ def test_parquet_schema_is_checked(tmp_path):
         source(tmp_path / "b.parquet", grpo=False).next_batch()
 
 
+def test_damaged_files_are_one_line_naming_them(tmp_path):
+    """Bytes that are not UTF-8 in a JSONL line, a file that is not Parquet, damaged Parquet pages: pyarrow's and
+    json's own errors say neither the file nor the row."""
+    binary = tmp_path / "a.jsonl"
+    binary.write_bytes(b'{"input_ids": [1, 2]}\n\x87\xd3\x00\x01\n')
+    with pytest.raises(ValueError, match=r"a.jsonl line 2: not JSON text \(it holds byte 0x87, not UTF-8\)"):
+        source(binary, batch_size=2, grpo=False).next_batch()
+    (tmp_path / "b.parquet").write_bytes(b"\x87 not parquet" * 20)
+    with pytest.raises(ValueError, match=r"b.parquet: not a readable Parquet file \(Parquet magic bytes not found"):
+        source(tmp_path / "b.parquet")
+    write_rollouts(make_rollouts(prompts=2, vocab=VOCAB), str(tmp_path / "c.parquet"))
+    data = bytearray((tmp_path / "c.parquet").read_bytes())
+    data[100:400] = bytes(300)  # inside the first column's pages
+    (tmp_path / "c.parquet").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"c.parquet: damaged Parquet data, reading from row 1 \("):
+        source(tmp_path / "c.parquet", batch_size=1).next_batch()
+
+
 def test_rows_are_read_as_a_stream(tmp_path):
     """A step reads only as far as it needs: a broken line far down the file is met only when reached."""
     path = tmp_path / "big.jsonl"
