@@ -46,6 +46,8 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--loss": ("train.loss", {"choices": list(config.LOSSES)}),
     "--reward-model": ("train.reward_model", {"metavar": "DIR"}),
     "--kl-coef": ("train.kl_coef", {}),
+    "--ppo-epochs": ("train.ppo_epochs", {}),
+    "--ppo-mini-batches": ("train.ppo_mini_batches", {}),
     "--recompute": ("train.recompute", {"choices": list(config.RECOMPUTE)}),
     "--attention-backend": ("train.attention_backend", {"choices": list(config.BACKENDS)}),
     "--bf16": ("train.bf16", {}),

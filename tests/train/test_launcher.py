@@ -124,6 +124,11 @@ def test_yaml_configs_load():
         ({"train": {"kl_coef": 0.1}}, "train.kl_coef=0.1 applies to losses grpo and ppo only"),
         ({"data": {"path": "rollouts.csv"}}, "data.path must be a file ending in .jsonl or .parquet"),
         ({"logging": {"wandb_mode": "cloud"}}, "logging.wandb_mode must be one of"),
+        ({"train": {"steps": 5, "ppo_epochs": 2}}, "train.steps=5 counts optimizer updates and must be a multiple of "
+                                                   "train.ppo_epochs * train.ppo_mini_batches = 2 * 1"),
+        ({"train": {"ppo_mini_batches": 2, "steps": 6}, "checkpoint": {"save": "x", "save_interval": 3}},
+         "checkpoint.save_interval=3 counts optimizer updates"),
+        ({"train": {"ppo_mini_batches": 5}}, "train.ppo_mini_batches=5 is more than data.batch_size=4 groups"),
     ],
 )
 def test_bad_config_values_are_named(raw, message):
@@ -320,7 +325,7 @@ def test_skip_nonfinite_leaves_the_weights_unchanged(capsys, loss):
         recs = []
         for _ in range(cfg.train.steps):
             before = [p.detach().clone() for m in models for p in m.parameters()]
-            recs.append(trainer.step(trainer.source.next_batch()))
+            recs += trainer.train_batch(trainer.source.next_batch())
             same = all(torch.equal(a, p) for a, p in zip(before, (p for m in models for p in m.parameters())))
             assert same == recs[-1]["skipped"], recs[-1]  # the first step moves the weights: the check can fail
     finally:
@@ -404,3 +409,37 @@ def test_sigterm_stops_the_run_in_one_line_and_leaves_no_helper_process(tmp_path
     assert not [p for p in helpers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), "--load", str(save), "--steps", "12",
                  "--no-progress"]) == 0
+
+
+def test_mini_batches_are_updates_on_their_own_groups(tmp_path):
+    """--ppo-mini-batches 2 on rollout batches of 4 groups: each update is the update of its 2 groups alone, as a run
+    on rollout batches of 2 groups gives it (bitwise: same packing, same losses, grad norms and lrs, the lr schedule
+    stepped per update). The rows carry old log-probs, so the ratio is the same in both runs."""
+    rng = np.random.default_rng(0)
+    rows = make_rollouts(prompts=8)
+    for row in rows:
+        row["old_logprobs"] = (-rng.uniform(0.5, 6.0, len(row["input_ids"]))).tolist()
+    data = str(tmp_path / "rollouts.jsonl")
+    write_rollouts(rows, data)
+    common = ["--data-path", data, "--loss", "grpo", "--steps", "4", "--lr-decay-style", "linear", "--lr", "0.01"]
+    mini = _run(tmp_path, "mini", *common, "--batch-size", "4", "--ppo-mini-batches", "2")
+    alone = _run(tmp_path, "alone", *common, "--batch-size", "2")
+    keys = ("step", "loss", "loss_tokens", "grad_norm", "lr", "original_tokens", "tree_tokens")
+    assert [[r[k] for k in keys] for r in mini] == [[r[k] for k in keys] for r in alone]
+    assert len({r["loss"] for r in mini}) == 4 and len({r["lr"] for r in mini}) == 4
+
+
+@pytest.mark.parametrize("loss", ["grpo", "ppo"])
+def test_ppo_epochs_move_the_ratio_off_one(tmp_path, loss):
+    """--ppo-epochs 2: the old log-probs are the policy's before the rollout batch's first update, so the second
+    update's loss (ratio off 1) differs from the first, which equals a one-update run's; without old log-probs in
+    the rollouts, one update per batch keeps the ratio at 1 (GRPO on the same batch: the same loss every step)."""
+    common = ["--loss", loss, "--batch-size", "2", "--lr", "0.01"]
+    one = _run(tmp_path, "one", *common, "--steps", "2")
+    two = _run(tmp_path, "two", *common, "--steps", "2", "--ppo-epochs", "2")
+    assert two[0]["loss"] == one[0]["loss"] and two[0]["grad_norm"] == one[0]["grad_norm"]
+    assert abs(two[1]["loss"] - two[0]["loss"]) > 1e-6
+    if loss == "grpo":
+        assert one[1]["loss"] == one[0]["loss"]  # ratio 1 by construction
+    else:  # both epochs train towards the targets computed before the first: same KL and scores
+        assert (two[1]["kl_mean"], two[1]["score_mean"]) == (two[0]["kl_mean"], two[0]["score_mean"])
