@@ -391,8 +391,6 @@ class RunConfig:
         if t.ppo_mini_batches > self.data.batch_size:
             raise ValueError(f"train.ppo_mini_batches={t.ppo_mini_batches} is more than data.batch_size="
                              f"{self.data.batch_size} groups per rollout batch; mini-batches take whole groups")
-        if self.train.loss == "ppo" and (self.checkpoint.save or self.checkpoint.load):
-            raise ValueError("train.loss ppo does not checkpoint its critic yet: drop checkpoint.save / checkpoint.load")
         if self.train.kl_coef > 0 and self.train.loss == "grpo" and self.data.path is None:
             raise ValueError("train.kl_coef > 0 needs reference log-probs: rollouts from data.path with ref_logprobs")
 

@@ -382,7 +382,7 @@ class Trainer:
         )
         if cfg.checkpoint.load:
             loaded, self.iteration, position, rng_restored = checkpoint.load_checkpoint(
-                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler)
+                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, critic=self._critic())
             try:
                 self.source.restore(position)
             except ValueError as e:
@@ -486,7 +486,8 @@ class Trainer:
             last = self.iteration == self.cfg.train.steps
             if ckpt.save and (last or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
                 path = checkpoint.save_checkpoint(ckpt.save, self.iteration, self.model, self.optimizer,
-                                                  data=self.source.state(), scheduler=self.scheduler)
+                                                  data=self.source.state(), scheduler=self.scheduler,
+                                                  critic=self._critic())
                 self._info(f"saved checkpoint {path}")
         if ckpt.export_hf:
             self.export_hf(ckpt.export_hf)
@@ -575,6 +576,10 @@ class Trainer:
         for sink in self.sinks:
             sink.write(record)
         return record
+
+    def _critic(self) -> tuple[list[torch.nn.Module], Any] | None:
+        """PPO's critic and its optimizer, what checkpoints carry besides the actor (None without PPO)."""
+        return None if self.ppo is None else (self.ppo.critic, self.ppo.critic_optimizer)
 
     def may_update(self, problem: str | None) -> bool:
         """Whether the coming step (``iteration + 1``) may run its optimizer step, given ``problem``
