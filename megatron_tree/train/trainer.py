@@ -57,6 +57,16 @@ def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
         )
 
 
+def check_expert_parallel(hf_config, ep: int, model: str) -> None:
+    """ValueError when ``ep`` > 1 but ``hf_config`` (of ``model``, named in the message) has no experts."""
+    experts = max((getattr(hf_config, key, None) or 0 for key in ("num_experts", "num_local_experts", "n_routed_experts")),
+                  default=0)
+    if ep > 1 and not experts:
+        raise ValueError(f"parallel.ep (--ep) {ep} splits the experts of a MoE model over ranks, but {model} "
+                         f"({hf_config.model_type}) is dense, without experts; pass --ep 1, or train a MoE model "
+                         f"(configs/tiny_qwen3_moe.yaml)")
+
+
 def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
     """Whether the run builds a tree model: always, except for the flat baseline with Transformer
     Engine on GPUs, which runs the upstream model on THD-packed sequences (``flat_forward_backward``),
@@ -349,6 +359,7 @@ class Trainer:
 
         hf_config = AutoConfig.from_pretrained(path)
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
+        check_expert_parallel(hf_config, cfg.parallel.ep, cfg.model.hf_path or f"the tiny {cfg.model.arch} model")
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
         self.scheduler = make_scheduler(cfg, self.optimizer)
         from megatron_tree.mcore.model_check import check_tree_model

@@ -13,9 +13,9 @@ import torch
 
 from dist_utils import REPO_ROOT, TorchrunCases, cpu_env
 from examples.make_rollouts import make_rollouts, write_rollouts
-from megatron_tree.train.__main__ import FLAGS, build_parser, main
+from megatron_tree.train.__main__ import FLAGS, build_parser, main, report_error
 from megatron_tree.train.config import RunConfig
-from megatron_tree.train.trainer import Trainer, check_layers
+from megatron_tree.train.trainer import Trainer, check_expert_parallel, check_layers
 
 LAUNCHER = REPO_ROOT / "examples" / "train_tree.py"
 
@@ -175,6 +175,36 @@ def test_layers_must_split_over_pipeline_stages():
     check_layers(4, 2, 2)
     with pytest.raises(ValueError, match=r"num_hidden_layers=2, not divisible by pp \* vpp = 2 \* 2.*tiny_qwen3_4layers"):
         check_layers(2, 2, 2)
+
+
+def test_expert_parallel_needs_experts():
+    """--ep 2 on a dense model names that, not what megatron-core or mbridge trip over later."""
+    from types import SimpleNamespace
+
+    check_expert_parallel(SimpleNamespace(model_type="qwen3_moe", num_experts=4), 2, "moe")
+    check_expert_parallel(SimpleNamespace(model_type="qwen3"), 1, "dense")
+    with pytest.raises(ValueError, match=r"parallel.ep \(--ep\) 2 splits the experts of a MoE model over ranks, but the "
+                                         r"tiny qwen3 model \(qwen3\) is dense, without experts; pass --ep 1"):
+        check_expert_parallel(SimpleNamespace(model_type="qwen3", num_experts=None), 2, "the tiny qwen3 model")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_rank_0_prints_the_error_and_every_rank_files_it(tmp_path, capsys, monkeypatch, rank):
+    """torchrun's failure summary shows each rank's elastic error file as its 'traceback': the one line goes there
+    on every rank, and to stderr from rank 0 only."""
+    error_file = tmp_path / "error.json"
+    for name, value in (("RANK", str(rank)), ("WORLD_SIZE", "2"), ("TORCHELASTIC_ERROR_FILE", str(error_file))):
+        monkeypatch.setenv(name, value)
+    report_error("megatron-tree-train: error: boom")
+    assert capsys.readouterr().err == ("megatron-tree-train: error: boom\n" if rank == 0 else "")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failure = ProcessFailure(local_rank=rank, pid=1, exitcode=1, error_file=str(error_file))
+    summary = ChildFailedError("train_tree.py", {rank: failure}).format_msg()
+    assert "traceback : megatron-tree-train: error: boom" in summary, summary
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # another launcher: every rank says it, naming itself
+    report_error("megatron-tree-train: error: boom")
+    assert capsys.readouterr().err == f"[rank {rank}] megatron-tree-train: error: boom\n"
 
 
 @pytest.mark.parametrize(
