@@ -54,6 +54,10 @@ def runs(tmp_path_factory):
         for n in (1, 2):
             cases[f"cp{n}-{loss}"] = ("test_launcher_context_parallel_equals_one_rank", n, launcher,
                                       [*CP_ARGS, "--loss", loss, "--log-jsonl", "{tmp}.jsonl", *(["--cp", "2"] if n == 2 else [])])
+    for n in (1, 2):  # several updates per rollout batch, each mini-batch balanced over DP ranks on its own
+        cases[f"mini-dp{n}"] = ("test_launcher_mini_batches_dp2_equal_one_rank", n, launcher,
+                                [*CP_ARGS[:2], "--steps", "4", "--batch-size", "4", "--no-progress", "--loss", "grpo",
+                                 "--ppo-epochs", "2", "--ppo-mini-batches", "2", "--log-jsonl", "{tmp}.jsonl"])
     for case, (config, args) in FOUR.items():
         cases[case] = ("test_launcher_four_processes", 4, launcher,
                        ["--config", f"configs/{config}", "--steps", "2", "--no-progress", "--log-jsonl", "{tmp}.jsonl", *args])
@@ -83,6 +87,21 @@ def test_launcher_context_parallel_equals_one_rank(runs, request, loss):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
         assert "cp_pair_imbalance" not in a and b["cp_pair_imbalance"] < 1.1 and len(b["cp_rank_pairs"]) == 2
+
+
+@pytest.mark.multiprocess
+def test_launcher_mini_batches_dp2_equal_one_rank(runs, request):
+    """--ppo-epochs 2 --ppo-mini-batches 2 over DP = 2 (each mini-batch split over the ranks by tree cost, old
+    log-probs on the rank that trains the sequence) logs the one-process run's numbers."""
+    one, two = (_records_of(runs, request, f"mini-dp{n}") for n in (1, 2))
+    assert len(one) == 4 and len({r["loss"] for r in one}) == 4
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss_tokens", "grad_norm", "tree_tokens", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
+        # the GRPO loss is a mean of +-advantage terms of size ~1 that cancel to ~1e-2: fp32 noise on the terms
+        # (another summation order after an Adam step: measured 5.5e-7) is absolute
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a["loss"], b["loss"])
+        assert len(b["dp_micro_batches"]) == 2
 
 
 @pytest.mark.parametrize("case", FOUR)
