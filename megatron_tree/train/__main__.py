@@ -7,7 +7,8 @@ Every flag but ``--config`` and ``--traceback`` sets one key of the YAML config 
 names the key and the default); values are validated together with the file. Mistakes in
 the flags, the config, the data or the environment end the run with one line on stderr,
 ``megatron-tree-train: error: ...``, and exit status 1 (2 for a malformed command line, from
-argparse), without a traceback unless ``--traceback`` is given.
+argparse), without a traceback unless ``--traceback`` is given; under torchrun from rank 0 only
+(:func:`report_error`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--loss": ("train.loss", {"choices": list(config.LOSSES)}),
     "--reward-model": ("train.reward_model", {"metavar": "DIR"}),
     "--kl-coef": ("train.kl_coef", {}),
+    "--ppo-epochs": ("train.ppo_epochs", {}),
+    "--ppo-mini-batches": ("train.ppo_mini_batches", {}),
     "--recompute": ("train.recompute", {"choices": list(config.RECOMPUTE)}),
     "--attention-backend": ("train.attention_backend", {"choices": list(config.BACKENDS)}),
     "--bf16": ("train.bf16", {}),
@@ -167,6 +170,29 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
 
 
+def report_error(line: str) -> None:
+    """Show the one-line error ``line`` once per job. One process: on stderr. Under torchrun (its
+    ``TORCHELASTIC_ERROR_FILE`` set): every rank writes it to its elastic error file, which torchrun's failure
+    summary shows as the failed rank's ``traceback`` (in place of "To enable traceback see: ..."), and only rank 0
+    prints it; other ranks stay quiet on stderr (their line, the same or their own, is in the summary). Other
+    multi-process launchers (``WORLD_SIZE`` > 1, no error file): every rank prints it, prefixed ``[rank N]``."""
+    import json
+    import time
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(record, f)
+        except OSError:
+            error_file = None  # then say it on stderr
+    if world == 1 or rank == 0 or not error_file:
+        prefix = f"[rank {rank}] " if world > 1 and not error_file else ""
+        print(f"{prefix}{line}", file=sys.stderr, flush=True)
+
+
 class Terminated(Exception):
     """SIGTERM arrived (what Slurm, Kubernetes and torchrun send to stop a job)."""
 
@@ -203,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         if args.traceback:
             raise
-        prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{prefix}{PROG}: error: {e}", file=sys.stderr, flush=True)
+        report_error(f"{PROG}: error: {e}")
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         status = 130

@@ -6,6 +6,8 @@ Layout, as Megatron-LM's: ``ROOT/iter_0000004/`` (one dist checkpoint per save) 
 - ``model`` (``model0``, ``model1``, ... under virtual pipeline): every chunk's sharded state
   (of the ``GPTModel`` inside the DDP / Float16Module wrappers);
 - ``optimizer``: Megatron's optimizer state sharded like the parameters (Adam moments, step);
+- ``critic``, ``critic_optimizer`` (``train.loss: ppo``): the critic's chunks (keys prefixed ``critic.``)
+  and its optimizer's state (the reference and reward models are rebuilt as the run starts);
 - ``rng_state``: Python, NumPy, torch (CPU and CUDA) and Megatron's model-parallel RNG
   tracker, one object per rank (restored when the world size is the same);
 - ``iteration``, ``data`` (the rollout source's position) and ``world_size``: plain values
@@ -62,7 +64,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict | None) -> dict[str, Any]:
+def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict | None, critic=None) -> dict[str, Any]:
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.utils import unwrap_model
 
@@ -70,15 +72,20 @@ def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict |
     for i, chunk in enumerate(unwrap_model(model)):
         state["model" if len(model) == 1 else f"model{i}"] = chunk.sharded_state_dict()
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    if critic is not None:
+        chunks, critic_optimizer = critic
+        state["critic"] = {str(i): chunk.sharded_state_dict(prefix="critic.") for i, chunk in enumerate(unwrap_model(chunks))}
+        state["critic_optimizer"] = critic_optimizer.sharded_state_dict({"critic": state["critic"]}, is_loading=is_loading)
     rank, world = dist.get_rank(), dist.get_world_size()
     state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: dict[str, Any], scheduler=None) -> str:
+def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: dict[str, Any], scheduler=None,
+                    critic=None) -> str:
     """Save the run after ``iteration`` steps under ``root``; returns the checkpoint directory.
     ``data`` is the rollout source's position; ``scheduler`` megatron-core's ``OptimizerParamScheduler``
-    (its state: steps taken, schedule).
+    (its state: steps taken, schedule); ``critic``: PPO's ``(critic chunks, critic optimizer)``.
 
     Safe against a kill at any instant: the checkpoint is written into a staging folder
     (``.iter_NNNNNNN.saving``) and renamed into place once every rank has finished; an existing
@@ -96,8 +103,9 @@ def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: 
             shutil.rmtree(staging)
         os.makedirs(staging)
     dist.barrier()
-    state = _sharded_state_dict(model, optimizer, is_loading=False, rng=_rng_state())
-    state.update(iteration=iteration, data=data, world_size=dist.get_world_size(), model_config=model_signature(model))
+    state = _sharded_state_dict(model, optimizer, is_loading=False, rng=_rng_state(), critic=critic)
+    state.update(iteration=iteration, data=data, world_size=dist.get_world_size(), model_config=model_signature(model),
+                 has_critic=critic is not None)
     if scheduler is not None:
         state.update(opt_param_scheduler=scheduler.state_dict())
     dist_checkpointing.save(state, staging)
@@ -332,9 +340,9 @@ def _newest_complete(root: str, why: str) -> str:
     return chosen
 
 
-def load_checkpoint(path: str, model: list, optimizer, scheduler=None) -> tuple[str, int, dict[str, Any], bool]:
-    """Load model, optimizer, lr schedule (into ``scheduler``: its schedule must equal the saved one) and
-    RNG state from ``path`` (see :func:`resolve_checkpoint`).
+def load_checkpoint(path: str, model: list, optimizer, scheduler=None, critic=None) -> tuple[str, int, dict[str, Any], bool]:
+    """Load model, optimizer, lr schedule (into ``scheduler``: its schedule must equal the saved one),
+    PPO's ``critic`` (``(chunks, optimizer)``, as saved) and RNG state from ``path`` (see :func:`resolve_checkpoint`).
     Returns ``(checkpoint directory loaded, iteration, data position, whether the RNG state was restored)``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -349,7 +357,11 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None) -> tuple[
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as e:  # torch.load's errors of a damaged file: RuntimeError, EOFError, UnpicklingError, ...
         raise _damaged(path, "common.pt", f"unreadable: {_first_cause(e)}") from None
-    state = _sharded_state_dict(model, optimizer, is_loading=True, rng=None)
+    if common.get("has_critic", False) != (critic is not None):
+        raise ValueError(f"--load {path}: the checkpoint {'holds a' if common.get('has_critic') else 'holds no'} PPO "
+                         f"critic, but this run {'trains one' if critic is not None else 'does not'}; resume with "
+                         f"the --loss it was saved with")
+    state = _sharded_state_dict(model, optimizer, is_loading=True, rng=None, critic=critic)
     saved = common.get("model_config")
     if saved is not None:  # checkpoints written before the signature was saved hold none
         wanted = model_signature(model)
@@ -371,6 +383,10 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None) -> tuple[
     for i, chunk in enumerate(unwrap_model(model)):
         _load_model_state(chunk, loaded["model" if len(model) == 1 else f"model{i}"], path)
     optimizer.load_state_dict(loaded["optimizer"])
+    if critic is not None:
+        for i, chunk in enumerate(unwrap_model(critic[0])):
+            _load_model_state(chunk, {k.removeprefix("critic."): v for k, v in loaded["critic"][str(i)].items()}, path)
+        critic[1].load_state_dict(loaded["critic_optimizer"])
     if scheduler is not None and "opt_param_scheduler" in common:
         saved = common["opt_param_scheduler"]
         try:

@@ -234,7 +234,8 @@ class DataConfig(_Section):
 
     SECTION = "data"
     path: str | None = _field(None, "rollout file (.jsonl or .parquet, schema in docs/launcher.md); null: synthetic rollouts")
-    batch_size: int = _field(4, "groups per step: prompts (GRPO samples share a group) or conversations")
+    batch_size: int = _field(4, "groups per rollout batch (one step without --ppo-epochs / --ppo-mini-batches): prompts "
+                                "(GRPO samples share a group) or conversations")
     workload: str = _field("grpo", "synthetic: grpo | multi_turn")
     samples: int = _field(4, "synthetic grpo: responses per prompt")
     prompt_len: tuple[int, int] = _field((16, 48), "synthetic: [lo, hi] prompt (system prompt) tokens")
@@ -264,7 +265,8 @@ class DataConfig(_Section):
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(_Section):
     SECTION = "train"
-    steps: int = _field(5, "optimizer steps in total (a resumed run continues up to this many)")
+    steps: int = _field(5, "optimizer steps (iterations) in total (a resumed run continues up to this many); a "
+                        "multiple of ppo_epochs * ppo_mini_batches, the updates of one rollout batch")
     lr: float = _field(1e-3, "Adam learning rate (constant)")
     seed: int = _field(0, "seed of the tiny model's weights, synthetic data and Megatron's RNG")
     tree_training: bool = _field(True, "pack shared prefixes as trees; false: the flat baseline on the same data "
@@ -274,6 +276,11 @@ class TrainConfig(_Section):
     kl_coef: float = _field(0.0, "grpo: weight of the k3 KL to ref_logprobs (rollouts must carry them); ppo: "
                             "per-token KL penalty to the reference model in the reward")
     clip_eps: float = _field(0.2, "grpo, ppo: PPO clip range")
+    ppo_epochs: int = _field(1, "passes over each rollout batch, one optimizer update per mini-batch each (verl's "
+                             "ppo_epochs); old log-probs are computed once per rollout batch, before its first update")
+    ppo_mini_batches: int = _field(1, "mini-batches per rollout batch: its groups split in order into this many "
+                                   "of whole groups (as even as possible), each packed and balanced over "
+                                   "data-parallel ranks on its own, one optimizer update each")
     gamma: float = _field(1.0, "ppo: GAE discount")
     lam: float = _field(0.95, "ppo: GAE lambda")
     value_clip: float = _field(0.2, "ppo: clip range of the critic's value loss")
@@ -296,6 +303,8 @@ class TrainConfig(_Section):
         self._need(self.lr > 0, "lr", "> 0")
         self._need(self.kl_coef >= 0, "kl_coef", ">= 0")
         self._need(0 < self.clip_eps < 1, "clip_eps", "in (0, 1)")
+        for key in ("ppo_epochs", "ppo_mini_batches"):
+            self._need(getattr(self, key) >= 1, key, "an int >= 1")
         self._need(0 <= self.gamma <= 1, "gamma", "in [0, 1]")
         self._need(0 <= self.lam <= 1, "lam", "in [0, 1]")
         self._need(self.value_clip > 0, "value_clip", "> 0")
@@ -403,8 +412,16 @@ class RunConfig:
         if self.train.kl_coef > 0 and self.train.loss == "sft":
             raise ValueError(f"train.kl_coef={self.train.kl_coef} applies to losses grpo and ppo only; set train.loss "
                              f"or drop kl_coef")
-        if self.train.loss == "ppo" and (self.checkpoint.save or self.checkpoint.load):
-            raise ValueError("train.loss ppo does not checkpoint its critic yet: drop checkpoint.save / checkpoint.load")
+        t, updates = self.train, self.train.ppo_epochs * self.train.ppo_mini_batches
+        for key, value in (("train.steps", t.steps), ("checkpoint.save_interval", self.checkpoint.save_interval)):
+            if value is not None and value % updates:
+                raise ValueError(f"{key}={value} counts optimizer updates and must be a multiple of train.ppo_epochs * "
+                                 f"train.ppo_mini_batches = {t.ppo_epochs} * {t.ppo_mini_batches}, the updates of one "
+                                 f"rollout batch (checkpoints fall between rollout batches); pass "
+                                 f"{-(-value // updates) * updates}")
+        if t.ppo_mini_batches > self.data.batch_size:
+            raise ValueError(f"train.ppo_mini_batches={t.ppo_mini_batches} is more than data.batch_size="
+                             f"{self.data.batch_size} groups per rollout batch; mini-batches take whole groups")
         if self.train.kl_coef > 0 and self.train.loss == "grpo" and self.data.path is None:
             raise ValueError("train.kl_coef > 0 needs reference log-probs: rollouts from data.path with ref_logprobs")
 

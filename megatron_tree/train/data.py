@@ -66,10 +66,12 @@ class RolloutBatch:
     ``advantages`` float64 [n] (per sequence; zeros when the loss needs none); the per-token
     lists hold n arrays [L_k] aligned with the sequences, or are None when no rollout carries
     the field. A rollout without a field another one has gets an all-true mask or NaN
-    log-probs (NaN old log-probs: the current policy's)."""
+    log-probs (NaN old log-probs: the current policy's). ``groups`` int64 [n]: each sequence's
+    group, 0, 1, ... in order (a group's sequences are consecutive; mini-batches take whole groups)."""
 
     sequences: list[np.ndarray]
     advantages: np.ndarray
+    groups: np.ndarray
     loss_mask: list[np.ndarray] | None
     old_logprobs: list[np.ndarray] | None
     ref_logprobs: list[np.ndarray] | None
@@ -135,9 +137,11 @@ def make_batch(rollouts: list[Rollout], *, need_advantages: bool) -> RolloutBatc
         dtype = bool if name == "loss_mask" else np.float32
         return [np.full(len(r.input_ids), fill, dtype) if v is None else v for r, v in zip(rollouts, values)]
 
+    keys = [("row", i) if r.group is None else ("group", r.group) for i, r in enumerate(rollouts)]
     return RolloutBatch(
         sequences=[r.input_ids for r in rollouts],
         advantages=advantages,
+        groups=np.cumsum([0] + [a != b for a, b in zip(keys, keys[1:])], dtype=np.int64),
         loss_mask=per_token("loss_mask", True),
         old_logprobs=per_token("old_logprobs", np.nan),
         ref_logprobs=per_token("ref_logprobs", np.nan),
@@ -171,7 +175,8 @@ def _check_position(state: dict[str, Any], key: str, current: str) -> None:
 class SyntheticSource:
     """Synthetic GRPO or multi-turn batches (:mod:`megatron_tree.core.synthetic`) drawn from
     ``seed + step`` (``seed`` alone with ``same_batch_every_step``): the same on every rank.
-    Reward = share of token ids below ``vocab / 2``; groups = prompts / conversations."""
+    Reward = share of token ids below ``vocab / 2``; groups = prompts / conversations (multi_turn
+    advantages are normalised over the whole batch)."""
 
     def __init__(self, data: DataConfig, *, vocab: int, seed: int, need_advantages: bool):
         self.data, self.vocab, self.seed, self.need_advantages = data, data.vocab or vocab, seed, need_advantages
@@ -187,12 +192,18 @@ class SyntheticSource:
             seqs = grpo_batch(rng, n_prompts=d.batch_size, samples=d.samples, prompt_len=d.prompt_len,
                               response_len=d.response_len, vocab=self.vocab)
             groups = np.repeat(np.arange(d.batch_size), d.samples)
-        else:
-            seqs = multi_turn_batch(rng, n_conversations=d.batch_size, turns=d.turns, turn_len=d.turn_len,
-                                    fork_prob=d.fork_prob, system_len=d.prompt_len[0], vocab=self.vocab)
-            groups = np.zeros(len(seqs), dtype=np.int64)  # advantages normalised over the whole batch
+        else:  # one conversation at a time: the same draws as all at once
+            conversations = [multi_turn_batch(rng, n_conversations=1, turns=d.turns, turn_len=d.turn_len,
+                                              fork_prob=d.fork_prob, system_len=d.prompt_len[0], vocab=self.vocab)
+                             for _ in range(d.batch_size)]
+            seqs = [s for c in conversations for s in c]
+            groups = np.repeat(np.arange(d.batch_size), [len(c) for c in conversations])
         rewards = np.array([float((s < self.vocab // 2).mean()) for s in seqs])
-        rollouts = [Rollout(input_ids=s, group=int(g), reward=float(r)) for s, g, r in zip(seqs, groups, rewards)]
+        advantages = [None] * len(seqs)
+        if d.workload == "multi_turn" and self.need_advantages:
+            advantages = grpo_advantages(rewards, np.zeros(len(seqs))).tolist()
+        rollouts = [Rollout(input_ids=s, group=int(g), reward=float(r), advantage=a)
+                    for s, g, r, a in zip(seqs, groups, rewards, advantages)]
         return make_batch(rollouts, need_advantages=self.need_advantages)
 
     def state(self) -> dict[str, Any]:

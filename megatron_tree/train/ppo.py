@@ -1,6 +1,8 @@
 """PPO in the launcher (``train.loss: ppo``): every model pass of an RL step on the same micro-batches.
 
-Per step, on this rank's micro-batches (prefix trees, or with ``tree_training: false`` each
+Per mini-batch of a rollout batch (``train.ppo_mini_batches``; 1: the whole batch), before the rollout
+batch's first update (:func:`ppo_targets`, steps 1-3), then once per epoch (``train.ppo_epochs``,
+:func:`ppo_update`, step 4), on this rank's micro-batches (prefix trees, or with ``tree_training: false`` each
 sequence its own chain; the numbers agree):
 
 1. forward only (:func:`~megatron_tree.mcore.forward_only.tree_forward_only`): the actor's log-probs
@@ -94,26 +96,32 @@ def gae(
     return advantages[valid], (advantages + v)[valid]
 
 
-def ppo_step(
-    cfg, actor, actor_optimizer, models: PPOModels, mbs, loss_masks: list[np.ndarray] | None, *, tree: bool,
-    may_update: Callable[[str | None], bool],
-) -> dict:
-    """One PPO step on this rank's micro-batches ``mbs`` (their ``sequence_ids`` index this rank's
-    sequences); ``loss_masks``: per sequence bool [L] aligned with its tokens (entry 0 unused), or
-    None for all tokens; ``tree=False``: upstream models on THD-packed flat micro-batches.
-    ``may_update(problem)``: given :func:`~megatron_tree.train.trainer.nonfinite` of both models'
-    losses and gradient norms, whether to run the two optimizer steps (it may raise instead).
-    Returns the actor's ``loss``, ``loss_tokens``, ``grad_norm`` (None when ``skipped``) and the
-    step's PPO metrics (the same on every rank)."""
+@dataclasses.dataclass
+class PPOTargets:
+    """What the updates of one mini-batch train towards, computed before its rollout batch's first update; per
+    sequence of this rank's share (``mb.sequence_ids`` order), on the model's device: ``old`` log-probs,
+    ``old_values``, ``advantages``, ``returns`` (fp32 [L - 1]) and ``masks`` (bool [L - 1]); ``stats``: the
+    mini-batch's ``score_mean`` and ``kl_mean`` (the same on every rank)."""
+
+    old: list[torch.Tensor]
+    old_values: list[torch.Tensor]
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    stats: dict[str, float]
+
+
+def ppo_targets(cfg, actor, models: PPOModels, mbs, loss_masks: list[np.ndarray] | None, *, tree: bool) -> PPOTargets:
+    """The forward-only passes of a PPO mini-batch on this rank's micro-batches ``mbs`` (their ``sequence_ids``
+    index this rank's sequences): the actor's log-probs (old policy), the reference's, the critic's values, the
+    reward model's scores; then the rewards and GAE. ``loss_masks``: per sequence bool [L] aligned with its tokens
+    (entry 0 unused), or None for all tokens; ``tree=False``: upstream models on THD-packed flat micro-batches."""
     from megatron.core import parallel_state as ps
 
     from megatron_tree.mcore.forward_only import flat_forward_only, tree_forward_only
-    from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
-    from megatron_tree.train.trainer import loss_and_grad_norm, nonfinite
 
     t = cfg.train
     forward_only = tree_forward_only if tree else flat_forward_only
-    train_step = tree_forward_backward if tree else flat_forward_backward
     device = next(actor[0].parameters()).device
     old = forward_only(actor, mbs)
     ref = forward_only(models.reference, mbs)
@@ -134,7 +142,32 @@ def ppo_step(
     splits = [lp.numel() for lp in old]
     advantages = torch.zeros_like(mask, dtype=torch.float32).masked_scatter_(mask, adv_c).split(splits)
     returns = torch.zeros_like(mask, dtype=torch.float32).masked_scatter_(mask, ret_c).split(splits)
-    masks = [m.to(device) for m in masks]
+    # Per-sequence statistics over the data-parallel group (identical on TP / PP ranks).
+    stats = torch.tensor([float(scores.sum()), len(old), float(kl.sum()), kl.numel()], dtype=torch.float64,
+                         device=device)  # fmt: skip
+    dist.all_reduce(stats, group=ps.get_data_parallel_group())
+    return PPOTargets(old=old, old_values=old_values, advantages=advantages, returns=returns,
+                      masks=[m.to(device) for m in masks],
+                      stats=dict(score_mean=float(stats[0] / stats[1].clamp(min=1)),
+                                 kl_mean=float(stats[2] / stats[3].clamp(min=1))))
+
+
+def ppo_update(
+    cfg, actor, actor_optimizer, models: PPOModels, mbs, targets: PPOTargets, *, tree: bool,
+    may_update: Callable[[str | None], bool],
+) -> dict:
+    """One PPO update on this rank's micro-batches ``mbs`` towards ``targets`` (:func:`ppo_targets`): the actor's
+    and the critic's backward passes (PPO-clip, clipped value loss), then, when both losses and gradient norms are
+    finite, one optimizer step each. ``may_update(problem)``: given
+    :func:`~megatron_tree.train.trainer.nonfinite` of both models' losses and gradient norms, whether to run the
+    two optimizer steps (it may raise instead). Returns the actor's ``loss``, ``loss_tokens``, ``grad_norm`` (None
+    when ``skipped``) and the PPO metrics (the same on every rank)."""
+    from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
+    from megatron_tree.train.trainer import loss_and_grad_norm, nonfinite
+
+    t, g = cfg.train, targets
+    train_step = tree_forward_backward if tree else flat_forward_backward
+    device = next(actor[0].parameters()).device
 
     def gather(xs, ids):
         return torch.cat([xs[i] for i in ids])
@@ -143,16 +176,16 @@ def ppo_step(
         ids = mb.sequence_ids
         if not ids:
             return logprobs.sum(), 0
-        loss, m = ppo_clip_loss(logprobs, gather(old, ids), gather(advantages, ids), mb.cu_targets,
-                                loss_mask=gather(masks, ids), clip_eps=t.clip_eps, reduction="sum")  # fmt: skip
+        loss, m = ppo_clip_loss(logprobs, gather(g.old, ids), gather(g.advantages, ids), mb.cu_targets,
+                                loss_mask=gather(g.masks, ids), clip_eps=t.clip_eps, reduction="sum")  # fmt: skip
         return loss, m["normalizer"]
 
     def critic_loss(values, mb):
         ids = mb.sequence_ids
         if not ids:
             return values.sum(), 0
-        loss, m = value_loss(values, gather(old_values, ids), gather(returns, ids), mb.cu_targets,
-                             loss_mask=gather(masks, ids), clip_eps=t.value_clip, reduction="sum")  # fmt: skip
+        loss, m = value_loss(values, gather(g.old_values, ids), gather(g.returns, ids), mb.cu_targets,
+                             loss_mask=gather(g.masks, ids), clip_eps=t.value_clip, reduction="sum")  # fmt: skip
         return loss, m["normalizer"]
 
     # Both backward passes first (separate models and gradient buffers), so that a non-finite loss or
@@ -170,11 +203,6 @@ def ppo_step(
                                   {f"{name} gradient norm": c[2] for name, c in checked.items()}))
     norms = {name: optimizer.step()[1] if update else None
              for name, optimizer in (("actor", actor_optimizer), ("critic", models.critic_optimizer))}
-
-    # Per-sequence statistics over the data-parallel group (identical on TP / PP ranks).
-    stats = torch.tensor([float(scores.sum()), len(old), float(kl.sum()), kl.numel()], dtype=torch.float64,
-                         device=device)  # fmt: skip
-    dist.all_reduce(stats, group=ps.get_data_parallel_group())
     return dict(
         loss=checked["actor"][0],
         loss_tokens=checked["actor"][1],
@@ -182,6 +210,5 @@ def ppo_step(
         skipped=not update,
         critic_loss=checked["critic"][0],
         critic_grad_norm=float(norms["critic"]) if norms["critic"] is not None else None,
-        score_mean=float(stats[0] / stats[1].clamp(min=1)),
-        kl_mean=float(stats[2] / stats[3].clamp(min=1)),
+        **g.stats,
     )

@@ -1,9 +1,11 @@
 """The training loop of the launcher: Megatron's forward_backward_func and optimizer on tree micro-batches.
 
-Each step: draw a rollout batch (same on every rank), split it over data-parallel ranks by
-tree cost (``balance_across_ranks``), pack each rank's share into tree micro-batches
-(``pack_trees``; ``tree_training=False`` packs the same sequences flat, each its own chain),
-run ``tree_forward_backward`` with the configured loss, check that the loss and the gradients are
+Per rollout batch (same on every rank): split its groups into ``train.ppo_mini_batches``
+mini-batches of whole groups; per mini-batch, split it over data-parallel ranks by tree cost
+(``balance_across_ranks``), pack each rank's share into tree micro-batches (``pack_trees``;
+``tree_training=False`` packs the same sequences flat, each its own chain) and compute the old
+log-probs (PPO: every forward-only pass) before the first update; then ``train.ppo_epochs`` passes
+over the mini-batches, each update (an iteration): ``tree_forward_backward`` with the configured loss, check that the loss and the gradients are
 finite (else stop the run, or with ``train.skip_nonfinite`` skip the update), step Megatron's
 optimizer, write the step's record to the sinks, save a checkpoint when due.
 
@@ -53,6 +55,16 @@ def check_layers(num_layers: int, pp: int, vpp: int | None) -> None:
             f"the model has num_hidden_layers={num_layers}, not divisible by {what}; lower --pp/--vpp or use a "
             f"model with a multiple of {chunks} layers (configs/tiny_qwen3_4layers.yaml has 4)"
         )
+
+
+def check_expert_parallel(hf_config, ep: int, model: str) -> None:
+    """ValueError when ``ep`` > 1 but ``hf_config`` (of ``model``, named in the message) has no experts."""
+    experts = max((getattr(hf_config, key, None) or 0 for key in ("num_experts", "num_local_experts", "n_routed_experts")),
+                  default=0)
+    if ep > 1 and not experts:
+        raise ValueError(f"parallel.ep (--ep) {ep} splits the experts of a MoE model over ranks, but {model} "
+                         f"({hf_config.model_type}) is dense, without experts; pass --ep 1, or train a MoE model "
+                         f"(configs/tiny_qwen3_moe.yaml)")
 
 
 def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
@@ -120,9 +132,11 @@ def _range_gather(offsets: np.ndarray, ids: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum()))
 
 
-def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray):
+def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, policy_old: torch.Tensor | None = None):
     """``loss_fn(logprobs [N], mb) -> (loss_sum, loss tokens)`` for this rank's share ``mine`` of
-    ``batch`` (``mb.sequence_ids`` index ``mine``): token-normalised SFT or PPO-clip (+ k3 KL)."""
+    ``batch`` (``mb.sequence_ids`` index ``mine``): token-normalised SFT or PPO-clip (+ k3 KL). The PPO ratio's
+    old log-probs: the rollouts' ``old_logprobs``; where they have none, ``policy_old`` (fp32 [sum len - 1] at
+    ``mine``'s targets: the policy's as the rollout batch's updates began), else the current policy's (ratio 1)."""
     target_lens = np.fromiter((len(batch.sequences[i]) - 1 for i in mine), np.int64, len(mine))
     offsets = np.concatenate([[0], np.cumsum(target_lens)])
 
@@ -133,6 +147,8 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray):
         return torch.from_numpy(np.concatenate([per_token[i][1:] for i in mine]))
 
     mask, old = targets(batch.loss_mask), targets(batch.old_logprobs)
+    if policy_old is not None:
+        old = policy_old if old is None else torch.where(torch.isnan(old), policy_old, old)
     ref = targets(batch.ref_logprobs) if train.kl_coef else None
     advantages = torch.from_numpy(batch.advantages[mine])
 
@@ -345,6 +361,7 @@ class Trainer:
 
         hf_config = AutoConfig.from_pretrained(path)
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
+        check_expert_parallel(hf_config, cfg.parallel.ep, cfg.model.hf_path or f"the tiny {cfg.model.arch} model")
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
         self.scheduler = make_scheduler(cfg, self.optimizer)
         from megatron_tree.mcore.model_check import check_tree_model
@@ -378,11 +395,16 @@ class Trainer:
         )
         if cfg.checkpoint.load:
             loaded, self.iteration, position, rng_restored = checkpoint.load_checkpoint(
-                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler)
+                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler, critic=self._critic())
             try:
                 self.source.restore(position)
             except ValueError as e:
                 raise ValueError(f"--load {loaded}: {e}") from None
+            updates = cfg.train.ppo_epochs * cfg.train.ppo_mini_batches
+            if self.iteration % updates:
+                raise ValueError(f"--load {loaded}: iteration {self.iteration} is not the end of a rollout batch of this "
+                                 f"run's train.ppo_epochs * train.ppo_mini_batches = {updates} updates; resume with "
+                                 f"the --ppo-epochs / --ppo-mini-batches it was saved with")
             self._info(f"resumed from {loaded} at iteration "
                        f"{self.iteration}" + ("" if rng_restored else " (RNG state not restored: other world size)"))
         if self.rank == 0:
@@ -466,11 +488,12 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> list[dict[str, Any]]:
-        """Run steps ``iteration + 1 .. train.steps``; returns their records (same on every rank).
+        """Run updates ``iteration + 1 .. train.steps``, rollout batch by rollout batch; returns their records (same
+        on every rank). Checkpoints are written between rollout batches (the data position is a rollout batch's).
 
-        ``stop_requested`` (set by the launcher's SIGTERM handler while ``in_steps``) ends the run after the step
-        in flight, as Megatron-LM's ``--exit-signal-handler``: the ranks agree on it after each step (one
-        all-reduce), the step is saved when ``checkpoint.save`` is set (unless its save was due anyway), and
+        ``stop_requested`` (set by the launcher's SIGTERM handler while ``in_steps``) ends the run after the rollout
+        batch in flight, as Megatron-LM's ``--exit-signal-handler``: the ranks agree on it after each batch (one
+        all-reduce), its updates are saved when ``checkpoint.save`` is set (unless their save was due anyway), and
         ``train`` returns without the export."""
         records = []
         ckpt = self.cfg.checkpoint
@@ -479,12 +502,13 @@ class Trainer:
         self.in_steps = True
         try:
             while self.iteration < self.cfg.train.steps:
-                records.append(self.step(self.source.next_batch()))
+                records += self.train_batch(self.source.next_batch())
                 stop = self._stop_agreed()
                 last = self.iteration == self.cfg.train.steps
                 if ckpt.save and (last or stop or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
                     path = checkpoint.save_checkpoint(ckpt.save, self.iteration, self.model, self.optimizer,
-                                                      data=self.source.state(), scheduler=self.scheduler)
+                                                      data=self.source.state(), scheduler=self.scheduler,
+                                                      critic=self._critic())
                     self._info(f"saved checkpoint {path}")
                 if stop:
                     return records
@@ -495,43 +519,81 @@ class Trainer:
         return records
 
     def _stop_agreed(self) -> bool:
-        """Whether any rank has ``stop_requested`` (one all-reduce; every rank then stops after the same step)."""
+        """Whether any rank has ``stop_requested`` (one all-reduce; every rank then stops after the same batch)."""
         flag = torch.tensor([float(self.stop_requested)], device="cuda" if self.cuda else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stop_requested = bool(flag.item())
         return self.stop_requested
 
-    def step(self, batch: RolloutBatch) -> dict[str, Any]:
-        """One optimizer step on ``batch``; returns the step's record (written to the sinks)."""
-        from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
+    def train_batch(self, batch: RolloutBatch) -> list[dict[str, Any]]:
+        """The optimizer updates of one rollout batch: its groups split in order into ``train.ppo_mini_batches``
+        mini-batches of whole groups; each packed (and its old log-probs, with PPO all its forward-only passes,
+        computed) before the first update; then ``train.ppo_epochs`` passes over the mini-batches, one update
+        each. Returns the updates' records (written to the sinks)."""
+        t = self.cfg.train
+        starts = np.flatnonzero(np.diff(batch.groups, prepend=-1))  # first sequence of each group
+        if len(starts) < t.ppo_mini_batches:
+            raise ValueError(f"a rollout batch of {len(starts)} groups cannot be split into train.ppo_mini_batches="
+                             f"{t.ppo_mini_batches} mini-batches of whole groups (the last batch of a pass over "
+                             f"data.path takes the groups left); lower --ppo-mini-batches or make data.batch_size "
+                             f"divide the file's groups")
+        bounds = [*(starts[c[0]] for c in np.array_split(np.arange(len(starts)), t.ppo_mini_batches)),
+                  len(batch.sequences)]
+        parts = [self._mini_batch(batch, np.arange(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+        return [self._update(batch, part, first=epoch == 0) for epoch in range(t.ppo_epochs) for part in parts]
 
-        seqs = batch.sequences
+    def _mini_batch(self, batch: RolloutBatch, ids: np.ndarray) -> dict[str, Any]:
+        """The sequences ``ids`` of ``batch`` split over data-parallel ranks by tree cost, this rank's share packed
+        into micro-batches, and what the updates need computed before any of them: with PPO its forward-only passes
+        (``ppo_targets``); with grpo and several updates per rollout batch, the old log-probs the rollouts lack."""
+        t0 = time.perf_counter()
+        seqs = [batch.sequences[i] for i in ids]
         if self.dp > 1:
             shares = balance_across_ranks(seqs, self.dp, algorithm=self.cfg.train.balance)
         else:
             shares = [np.arange(len(seqs))]
-        mine = np.asarray(shares[self.dp_rank], dtype=np.int64)
-        t0 = time.perf_counter()
-        mbs = pack_trees([seqs[i] for i in mine], self.spec, dp_group=self.dp_group,
+        mine = ids[np.asarray(shares[self.dp_rank], dtype=np.int64)]
+        mbs = pack_trees([batch.sequences[i] for i in mine], self.spec, dp_group=self.dp_group,
                          share_prefixes=self.cfg.train.tree_training)
-        pack_s = time.perf_counter() - t0
+        part = dict(seqs=seqs, shares=shares, mine=mine, mbs=mbs, pack_s=time.perf_counter() - t0, old=None)
+        t = self.cfg.train
+        if self.ppo is not None:
+            from megatron_tree.train.ppo import ppo_targets
+
+            masks = None if batch.loss_mask is None else [batch.loss_mask[i] for i in mine]
+            part["targets"] = ppo_targets(self.cfg, self.model, self.ppo, mbs, masks, tree=self.tree_model)
+        elif t.loss == "grpo" and t.ppo_epochs * t.ppo_mini_batches > 1 and (
+                batch.old_logprobs is None or any(np.isnan(lp[1:]).any() for lp in batch.old_logprobs)):
+            from megatron_tree.mcore.forward_only import flat_forward_only, tree_forward_only
+
+            old = (tree_forward_only if self.tree_model else flat_forward_only)(self.model, mbs)
+            part["old"] = torch.cat(old).cpu() if old else torch.zeros(0)
+        part["prepare_s"] = time.perf_counter() - t0
+        return part
+
+    def _update(self, batch: RolloutBatch, part: dict[str, Any], *, first: bool) -> dict[str, Any]:
+        """One optimizer update on the mini-batch ``part`` (:meth:`_mini_batch`); returns its record (written to the
+        sinks). ``first``: the mini-batch's first update (its record counts the packing and forward-only passes)."""
+        from megatron_tree.mcore.schedule import flat_forward_backward, schedule_slot_multiple, tree_forward_backward
+
+        t0 = time.perf_counter()
+        mbs = part["mbs"]
         extra: dict[str, Any] = {}
-        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it after the update)
+        lr = self.optimizer.param_groups[0]["lr"]  # this update's (the scheduler moves it after the update)
         if self.ppo is None:
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             run = tree_forward_backward if self.tree_model else flat_forward_backward
-            losses = run(self.model, mbs, make_loss_fn(self.cfg.train, batch, mine))
+            losses = run(self.model, mbs, make_loss_fn(self.cfg.train, batch, part["mine"], part["old"]))
             loss, loss_tokens, norm = loss_and_grad_norm(losses, self.model, "cuda" if self.cuda else "cpu")
             skipped = not self.may_update(nonfinite({"loss": loss}, {"gradient norm": norm}))
             grad_norm = None if skipped else self.optimizer.step()[1]
-        else:  # every model pass of a PPO step (megatron_tree.train.ppo)
-            from megatron_tree.train.ppo import ppo_step
+        else:  # an actor and a critic update (megatron_tree.train.ppo)
+            from megatron_tree.train.ppo import ppo_update
 
-            masks = None if batch.loss_mask is None else [batch.loss_mask[i] for i in mine]
-            extra = ppo_step(self.cfg, self.model, self.optimizer, self.ppo, mbs, masks, tree=self.tree_model,
-                             may_update=self.may_update)
+            extra = ppo_update(self.cfg, self.model, self.optimizer, self.ppo, mbs, part["targets"],
+                               tree=self.tree_model, may_update=self.may_update)
             loss, loss_tokens, grad_norm, skipped = (extra.pop(k) for k in ("loss", "loss_tokens", "grad_norm",
                                                                             "skipped"))
         if not skipped:
@@ -539,14 +601,17 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize()
         self.iteration += 1
-        from megatron_tree.mcore.schedule import schedule_slot_multiple
-
-        record = step_record(self.iteration, loss, loss_tokens, mbs, self.spec, seqs, shares,
-                             time.perf_counter() - t0, pack_s, grad_norm, skipped, self.cuda,
+        step_s = time.perf_counter() - t0 + (part["prepare_s"] if first else 0.0)
+        record = step_record(self.iteration, loss, loss_tokens, mbs, self.spec, part["seqs"], part["shares"],
+                             step_s, part["pack_s"] if first else 0.0, grad_norm, skipped, self.cuda,
                              schedule_slot_multiple(self.model[0])) | {"lr": lr} | extra
         for sink in self.sinks:
             sink.write(record)
         return record
+
+    def _critic(self) -> tuple[list[torch.nn.Module], Any] | None:
+        """PPO's critic and its optimizer, what checkpoints carry besides the actor (None without PPO)."""
+        return None if self.ppo is None else (self.ppo.critic, self.ppo.critic_optimizer)
 
     def may_update(self, problem: str | None) -> bool:
         """Whether the coming step (``iteration + 1``) may run its optimizer step, given ``problem``

@@ -13,9 +13,9 @@ import torch
 
 from dist_utils import REPO_ROOT, TorchrunCases, cpu_env
 from examples.make_rollouts import make_rollouts, write_rollouts
-from megatron_tree.train.__main__ import FLAGS, build_parser, main
+from megatron_tree.train.__main__ import FLAGS, build_parser, main, report_error
 from megatron_tree.train.config import RunConfig
-from megatron_tree.train.trainer import Trainer, check_layers
+from megatron_tree.train.trainer import Trainer, check_expert_parallel, check_layers
 
 LAUNCHER = REPO_ROOT / "examples" / "train_tree.py"
 
@@ -54,6 +54,10 @@ def runs(tmp_path_factory):
         for n in (1, 2):
             cases[f"cp{n}-{loss}"] = ("test_launcher_context_parallel_equals_one_rank", n, launcher,
                                       [*CP_ARGS, "--loss", loss, "--log-jsonl", "{tmp}.jsonl", *(["--cp", "2"] if n == 2 else [])])
+    for n in (1, 2):  # several updates per rollout batch, each mini-batch balanced over DP ranks on its own
+        cases[f"mini-dp{n}"] = ("test_launcher_mini_batches_dp2_equal_one_rank", n, launcher,
+                                [*CP_ARGS[:2], "--steps", "4", "--batch-size", "4", "--no-progress", "--loss", "grpo",
+                                 "--ppo-epochs", "2", "--ppo-mini-batches", "2", "--log-jsonl", "{tmp}.jsonl"])
     for case, (config, args) in FOUR.items():
         cases[case] = ("test_launcher_four_processes", 4, launcher,
                        ["--config", f"configs/{config}", "--steps", "2", "--no-progress", "--log-jsonl", "{tmp}.jsonl", *args])
@@ -83,6 +87,21 @@ def test_launcher_context_parallel_equals_one_rank(runs, request, loss):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
         assert "cp_pair_imbalance" not in a and b["cp_pair_imbalance"] < 1.1 and len(b["cp_rank_pairs"]) == 2
+
+
+@pytest.mark.multiprocess
+def test_launcher_mini_batches_dp2_equal_one_rank(runs, request):
+    """--ppo-epochs 2 --ppo-mini-batches 2 over DP = 2 (each mini-batch split over the ranks by tree cost, old
+    log-probs on the rank that trains the sequence) logs the one-process run's numbers."""
+    one, two = (_records_of(runs, request, f"mini-dp{n}") for n in (1, 2))
+    assert len(one) == 4 and len({r["loss"] for r in one}) == 4
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss_tokens", "grad_norm", "tree_tokens", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
+        # the GRPO loss is a mean of +-advantage terms of size ~1 that cancel to ~1e-2: fp32 noise on the terms
+        # (another summation order after an Adam step: measured 5.5e-7) is absolute
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a["loss"], b["loss"])
+        assert len(b["dp_micro_batches"]) == 2
 
 
 @pytest.mark.parametrize("case", FOUR)
@@ -129,6 +148,11 @@ def test_yaml_configs_load():
         ({"model": {"hf_overrides": {"num_hidden_layers": 0}}}, "model.hf_overrides.num_hidden_layers is 0"),
         ({"model": {"hf_overrides": {"vocab_size": 0}}}, "model.hf_overrides.vocab_size is 0"),
         ({"train": {"seed": -1}}, "train.seed must be an int in [0, 2**32 - 1] (NumPy's seed range), got -1"),
+        ({"train": {"steps": 5, "ppo_epochs": 2}}, "train.steps=5 counts optimizer updates and must be a multiple of "
+                                                   "train.ppo_epochs * train.ppo_mini_batches = 2 * 1"),
+        ({"train": {"ppo_mini_batches": 2, "steps": 6}, "checkpoint": {"save": "x", "save_interval": 3}},
+         "checkpoint.save_interval=3 counts optimizer updates"),
+        ({"train": {"ppo_mini_batches": 5}}, "train.ppo_mini_batches=5 is more than data.batch_size=4 groups"),
     ],
 )
 def test_bad_config_values_are_named(raw, message):
@@ -195,6 +219,36 @@ def test_layers_must_split_over_pipeline_stages():
     check_layers(4, 2, 2)
     with pytest.raises(ValueError, match=r"num_hidden_layers=2, not divisible by pp \* vpp = 2 \* 2.*tiny_qwen3_4layers"):
         check_layers(2, 2, 2)
+
+
+def test_expert_parallel_needs_experts():
+    """--ep 2 on a dense model names that, not what megatron-core or mbridge trip over later."""
+    from types import SimpleNamespace
+
+    check_expert_parallel(SimpleNamespace(model_type="qwen3_moe", num_experts=4), 2, "moe")
+    check_expert_parallel(SimpleNamespace(model_type="qwen3"), 1, "dense")
+    with pytest.raises(ValueError, match=r"parallel.ep \(--ep\) 2 splits the experts of a MoE model over ranks, but the "
+                                         r"tiny qwen3 model \(qwen3\) is dense, without experts; pass --ep 1"):
+        check_expert_parallel(SimpleNamespace(model_type="qwen3", num_experts=None), 2, "the tiny qwen3 model")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_rank_0_prints_the_error_and_every_rank_files_it(tmp_path, capsys, monkeypatch, rank):
+    """torchrun's failure summary shows each rank's elastic error file as its 'traceback': the one line goes there
+    on every rank, and to stderr from rank 0 only."""
+    error_file = tmp_path / "error.json"
+    for name, value in (("RANK", str(rank)), ("WORLD_SIZE", "2"), ("TORCHELASTIC_ERROR_FILE", str(error_file))):
+        monkeypatch.setenv(name, value)
+    report_error("megatron-tree-train: error: boom")
+    assert capsys.readouterr().err == ("megatron-tree-train: error: boom\n" if rank == 0 else "")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failure = ProcessFailure(local_rank=rank, pid=1, exitcode=1, error_file=str(error_file))
+    summary = ChildFailedError("train_tree.py", {rank: failure}).format_msg()
+    assert "traceback : megatron-tree-train: error: boom" in summary, summary
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # another launcher: every rank says it, naming itself
+    report_error("megatron-tree-train: error: boom")
+    assert capsys.readouterr().err == f"[rank {rank}] megatron-tree-train: error: boom\n"
 
 
 @pytest.mark.parametrize(
@@ -346,7 +400,7 @@ def test_skip_nonfinite_leaves_the_weights_unchanged(capsys, loss):
         recs = []
         for _ in range(cfg.train.steps):
             before = [p.detach().clone() for m in models for p in m.parameters()]
-            recs.append(trainer.step(trainer.source.next_batch()))
+            recs += trainer.train_batch(trainer.source.next_batch())
             same = all(torch.equal(a, p) for a, p in zip(before, (p for m in models for p in m.parameters())))
             assert same == recs[-1]["skipped"], recs[-1]  # the first step moves the weights: the check can fail
     finally:
@@ -436,3 +490,37 @@ def test_sigterm_saves_the_step_in_flight_and_leaves_no_helper_process(tmp_path)
     assert not [p for p in helpers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3.yaml"), "--load", str(save), "--steps", "12",
                  "--no-progress"]) == 0
+
+
+def test_mini_batches_are_updates_on_their_own_groups(tmp_path):
+    """--ppo-mini-batches 2 on rollout batches of 4 groups: each update is the update of its 2 groups alone, as a run
+    on rollout batches of 2 groups gives it (bitwise: same packing, same losses, grad norms and lrs, the lr schedule
+    stepped per update). The rows carry old log-probs, so the ratio is the same in both runs."""
+    rng = np.random.default_rng(0)
+    rows = make_rollouts(prompts=8)
+    for row in rows:
+        row["old_logprobs"] = (-rng.uniform(0.5, 6.0, len(row["input_ids"]))).tolist()
+    data = str(tmp_path / "rollouts.jsonl")
+    write_rollouts(rows, data)
+    common = ["--data-path", data, "--loss", "grpo", "--steps", "4", "--lr-decay-style", "linear", "--lr", "0.01"]
+    mini = _run(tmp_path, "mini", *common, "--batch-size", "4", "--ppo-mini-batches", "2")
+    alone = _run(tmp_path, "alone", *common, "--batch-size", "2")
+    keys = ("step", "loss", "loss_tokens", "grad_norm", "lr", "original_tokens", "tree_tokens")
+    assert [[r[k] for k in keys] for r in mini] == [[r[k] for k in keys] for r in alone]
+    assert len({r["loss"] for r in mini}) == 4 and len({r["lr"] for r in mini}) == 4
+
+
+@pytest.mark.parametrize("loss", ["grpo", "ppo"])
+def test_ppo_epochs_move_the_ratio_off_one(tmp_path, loss):
+    """--ppo-epochs 2: the old log-probs are the policy's before the rollout batch's first update, so the second
+    update's loss (ratio off 1) differs from the first, which equals a one-update run's; without old log-probs in
+    the rollouts, one update per batch keeps the ratio at 1 (GRPO on the same batch: the same loss every step)."""
+    common = ["--loss", loss, "--batch-size", "2", "--lr", "0.01"]
+    one = _run(tmp_path, "one", *common, "--steps", "2")
+    two = _run(tmp_path, "two", *common, "--steps", "2", "--ppo-epochs", "2")
+    assert two[0]["loss"] == one[0]["loss"] and two[0]["grad_norm"] == one[0]["grad_norm"]
+    assert abs(two[1]["loss"] - two[0]["loss"]) > 1e-6
+    if loss == "grpo":
+        assert one[1]["loss"] == one[0]["loss"]  # ratio 1 by construction
+    else:  # both epochs train towards the targets computed before the first: same KL and scores
+        assert (two[1]["kl_mean"], two[1]["score_mean"]) == (two[0]["kl_mean"], two[0]["score_mean"])

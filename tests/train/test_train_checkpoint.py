@@ -273,3 +273,19 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(saved, tmp_
     assert err[-1].startswith(f"megatron-tree-train: error: --load {save}/iter_0000002: {save}/iter_0000002/{name} "
                               f"is damaged ({why}"), err
     assert err[-1].endswith(f"; --load an earlier checkpoint, e.g. --load {save}/iter_0000001"), err
+
+
+def test_ppo_resume_carries_the_critic_and_its_optimizer(tmp_path, capsys):
+    """--loss ppo: checkpoints hold the critic and its optimizer besides the actor; 2 steps saved and resumed to 4
+    give the uninterrupted run's actor and critic losses and grad norms; a run without a critic refuses them."""
+    common = ["--config", CONFIG, "--loss", "ppo", "--batch-size", "2", "--lr", "0.01"]
+    assert main([*common, "--steps", "4", "--log-jsonl", str(tmp_path / "full.jsonl")]) == 0
+    assert main([*common, "--steps", "2", "--save", str(tmp_path / "ckpt")]) == 0
+    assert main([*common, "--steps", "4", "--load", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "res.jsonl")]) == 0
+    keys = ("step", "loss", "grad_norm", "critic_loss", "critic_grad_norm", "kl_mean", "score_mean")
+    full, resumed = records(tmp_path / "full.jsonl"), records(tmp_path / "res.jsonl")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full[2:]]
+    assert len({r["critic_loss"] for r in full}) == 4  # the critic moves: equality is not trivial
+    assert main(["--config", CONFIG, "--steps", "4", "--load", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "iter_0000002: the checkpoint holds a PPO critic, but this run does not; resume with the --loss it" in err, err
