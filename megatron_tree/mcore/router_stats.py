@@ -21,10 +21,10 @@ multiplicities (:func:`rank_slot_weights`). Megatron's own reductions then make 
 statistics: the per-expert counts (and per-sequence counts of ``seq_aux_loss``) are all-reduced over
 TP x CP (``global_aux_loss``: TP x DP x CP), each rank's loss is its slots' share and the shares add up
 to the single-rank loss, each rank's expert-bias counts are its share (summed over TP x DP x CP when
-the bias is updated), and the logged values are shares that the logging reduces over TP x CP. The losses
-are attached with the micro-batch's own token count, so the gradients equal those of the same step
-without TP / CP (megatron-core scales by the rank's count instead, which changes them with TP / CP:
-NVIDIA/Megatron-LM#1652; the TP x CP factor of 0.19 is exact only for evenly split tokens).
+the bias is updated), and the logged values are shares that the logging reduces over TP x CP. Every
+loss is attached with the micro-batch's token count, so the gradients equal those of the same step
+without TP / CP (megatron-core's own scaling varies with TP / CP: 0.16 scales the z-loss by the rank's
+tokens, 0.19 every loss by TP x CP times its count, NVIDIA/Megatron-LM#1652 and #5047).
 No collective is added to the step; the z-loss, which upstream logs per rank (its own mean), is logged
 as a share with the TP x CP reduce group (one more all-reduce where the logged values are reduced).
 
@@ -85,7 +85,6 @@ class _WeightedRouterStatistics:
         self.slot_weights = slot_weights
         self.upstream = {name: getattr(router, name) for name in (*_ROUTER_METHODS, "attach_and_log_load_balancing_loss")}
         self.weights = None
-        self.held_tokens = None  # LongTensor []: the original tokens this rank's slots stand for
 
     def routing(self, logits, padding_mask=None):
         weights = self.slot_weights(padding_mask)
@@ -95,13 +94,12 @@ class _WeightedRouterStatistics:
         r = self.router
         sp = (r.tp_group.rank(), r.tp_group.size()) if r.config.sequence_parallel else (0, 1)
         self.weights = weights = rank_slot_weights(weights, seq * b, *sp)
-        self.held_tokens = weights.multiplicity.sum()
         try:
             # Upstream gets this rank's own padding mask (on later pipeline stages megatron-core hands
             # every sequence-parallel rank the whole micro-batch's).
             return self.upstream["routing"](logits, padding_mask=(weights.multiplicity == 0).view(seq, b))
         finally:
-            self.weights = self.held_tokens = None
+            self.weights = None
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, *args, **kwargs):
         w = self.weights
@@ -109,16 +107,17 @@ class _WeightedRouterStatistics:
             return self.upstream["attach_and_log_load_balancing_loss"](
                 activation, aux_loss_coeff, aux_loss, aux_loss_name, *args, **kwargs
             )
-        # Upstream logs the loss (detached, with count 0 it attaches nothing); attached here with the
-        # count upstream gives at TP = CP = 1: its count of this rank's tokens (valid_token_count), scaled
-        # from this rank's share to the micro-batch's original tokens. megatron-core scales by the
-        # rank's count (<= 0.18) or that times the TP x CP size (0.19): both vary with TP / CP.
+        # Upstream logs the loss (detached, with count 0 it attaches nothing); attached here, scaled by
+        # upstream's count: its reduce group's tokens (the per-expert counts it sums them from are
+        # all-reduced in place), i.e. the micro-batch's whatever the TP / CP split, as at TP = CP = 1.
+        # megatron-core 0.19 multiplies that by the TP x CP size on top (exact only for a count of
+        # this rank's tokens: a padding mask makes it the group's).
         count = kwargs.pop("valid_token_count")
         activation = self.upstream["attach_and_log_load_balancing_loss"](
             activation, aux_loss_coeff, aux_loss.detach(), aux_loss_name, *args, valid_token_count=0, **kwargs
         )
         if self.router.calculate_per_token_loss:
-            aux_loss = aux_loss * (count * w.num_tokens / self.held_tokens.clamp_min(1))
+            aux_loss = aux_loss * count
         return MoEAuxLossAutoScaler.apply(activation, aux_loss)
 
     def apply_z_loss(self, logits, padding_mask=None):
@@ -131,9 +130,7 @@ class _WeightedRouterStatistics:
         coeff = r.config.moe_z_loss_coeff
         z_loss = coeff * (torch.logsumexp(logits, dim=-1).square() * w.multiplicity).sum() / max(w.num_tokens, 1)
         group = r.tp_cp_group if r.tp_cp_group.size() > 1 else None
-        return self.attach_and_log_load_balancing_loss(
-            logits, coeff, z_loss, "z_loss", group, valid_token_count=self.held_tokens
-        )
+        return self.attach_and_log_load_balancing_loss(logits, coeff, z_loss, "z_loss", group, valid_token_count=w.num_tokens)
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         w = self.weights

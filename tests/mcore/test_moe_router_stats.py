@@ -84,21 +84,29 @@ def test_tree_step_equals_flat_step_with_full_recompute(moe_checkpoint):
 DISTRIBUTED = {
     "ep2": (["--ep", "2"], list(CASES)),
     "pp2-recompute-full": (["--pp", "2", "--recompute", "full", "--cases", "all"], ["all"]),
+    "cp2": (["--cp", "2", "--dump", "{tmp}/steps"], list(CASES)),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The cases of scripts/router_stats_parity.py in one torchrun job (dist_utils.TorchrunCases)."""
-    cases = {case: ("test_tree_step_equals_flat_step_distributed", 2, "scripts/router_stats_parity.py",
-                    ["--ckpt", "{tmp}", *args]) for case, (args, _) in DISTRIBUTED.items()}
+    """The cases of scripts/router_stats_parity.py in one torchrun job per process count (dist_utils.TorchrunCases)."""
+    script = "scripts/router_stats_parity.py"
+    cases = {case: ("test_tree_step_equals_flat_step_distributed", 2, script, ["--ckpt", "{tmp}", *args])
+             for case, (args, _) in DISTRIBUTED.items()}
+    cases["cp2"] = ("test_context_parallel_step_equals_one_rank", *cases["cp2"][1:])
+    cases["one-rank"] = ("test_context_parallel_step_equals_one_rank", 1, script, ["--ckpt", "{tmp}", "--dump", "{tmp}/steps"])
     return TorchrunCases(cases, tmp_path_factory.mktemp("router_stats"))
 
 
-@pytest.mark.parametrize("case", DISTRIBUTED)
+@pytest.mark.parametrize("case", [c for c in DISTRIBUTED if c != "cp2"])
 @pytest.mark.multiprocess
 def test_tree_step_equals_flat_step_distributed(runs, request, case):
     out = runs.output(request, case)
+    check_records(out, case)
+
+
+def check_records(out: str, case: str) -> None:
     cases = DISTRIBUTED[case][1]
     # One "ROUTERSTATS rank=R case=C key=value ..." record per rank and case (lines may be glued).
     rows = [dict(re.findall(r"(\w+)=([^\s;]+)", part)) for part in out.split("ROUTERSTATS")[1:]]
@@ -107,6 +115,22 @@ def test_tree_step_equals_flat_step_distributed(runs, request, case):
     for r in rows:
         assert max(float(v) for k, v in r.items() if k.startswith("tree_")) < TOL, r
         assert max(float(r["unweighted_grad"]), float(r["unweighted_counts"])) > 0.1, r
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_step_equals_one_rank(runs, request):
+    """CP = 2 (each micro-batch's slots over two ranks, each weighing its own): the one-rank tree step
+    (which equals the rows, above) in loss, gradients, per-expert counts (expert-bias counts summed over
+    the CP ranks) and logged values (shares summed); in-job, the CP chains too. Unweighted: far off."""
+    check_records(runs.output(request, "cp2"), "cp2")
+    runs.output(request, "one-rank")
+    for case in CASES:
+        one, two = (torch.load(runs.tmp / job / "steps" / f"{case}.pt") for job in ("one-rank", "cp2"))
+        errors = compare(two["tree"], one["tree"])
+        print(case, errors)
+        assert max(errors.values()) < TOL, (case, errors)
+        unweighted = compare(two["unweighted"], one["tree"])
+        assert max(unweighted["grad"], unweighted["counts"]) > 0.1, (case, unweighted)
 
 
 def test_refused_configurations(moe_checkpoint):
