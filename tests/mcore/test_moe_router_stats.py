@@ -22,7 +22,14 @@ from forests import any_batch
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.compat import apply_compat_patches
 from megatron_tree.mcore.router_stats import weighted_router_statistics
-from megatron_tree.mcore.router_stats import SlotWeights, tree_padding_mask, weigh_router_statistics
+from megatron_tree.core.context_parallel import padded_slots, shard_micro_batch, slot_multiple
+from megatron_tree.mcore.router_stats import (
+    SlotWeights,
+    _slot_weights,
+    rank_slot_weights,
+    tree_padding_mask,
+    weigh_router_statistics,
+)
 from megatron_tree.runtime import cpu_mode, destroy_distributed, init_cpu_distributed, save_tiny_hf_checkpoint
 
 @settings(max_examples=60, deadline=None)
@@ -47,6 +54,35 @@ def test_per_sequence_sums_match_the_incidence_matrix(seqs):
     routed = torch.rand(mb.num_slots, 3) < 0.5
     counts = weights.per_sequence(routed)
     assert counts.dtype == torch.int64 and torch.equal(counts, (incidence @ routed.double()).long())
+
+
+@settings(max_examples=30, deadline=None)
+@given(any_batch)
+def test_rank_slot_weights_split_the_micro_batch(seqs):
+    """Each rank's slot weights (a CP shard's, each sequence-parallel half of that) are the micro-batch's
+    multiplicities at its slots; summed over the ranks, per-sequence sums and token counts are the whole's."""
+    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=200))[0]
+    for cp in (1, 2):
+        padded = mb.padded_to(padded_slots(mb.num_slots, slot_multiple(cp=cp, sequence_parallel=2)))
+        whole_mask = tree_padding_mask(padded)
+        whole = _slot_weights(whole_mask)
+        x = torch.randn(padded.num_slots, 3, dtype=torch.float64)
+        sums, tokens, held = torch.zeros(len(padded.sequence_ids), 3, dtype=torch.float64), 0, []
+        for r in range(cp):
+            mask = tree_padding_mask(padded, shard_micro_batch(padded, cp, r) if cp > 1 else None)
+            rank = _slot_weights(mask)
+            for q in range(2):  # sequence parallel over two ranks, as megatron-core splits the mask
+                part = rank_slot_weights(rank, mask.shape[1] // 2, q, 2)
+                assert torch.equal(part.multiplicity, padded.multiplicity[0, part.slots])
+                sums += part.per_sequence(x[part.slots])
+                tokens += int(part.multiplicity.sum())
+                held.append(part.slots)
+        assert torch.equal(torch.sort(torch.cat(held)).values, torch.arange(padded.num_slots))
+        torch.testing.assert_close(sums, whole.per_sequence(x), rtol=1e-12, atol=1e-12)
+        assert tokens == whole.num_tokens == padded.num_original_tokens
+    assert rank_slot_weights(whole, padded.num_slots) is whole
+    with pytest.raises(ValueError, match=f"the router got 3 tokens but its padding mask stands for {padded.num_slots}"):
+        rank_slot_weights(whole, 3, 0, 2)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +132,7 @@ def runs(tmp_path_factory):
              for case, (args, _) in DISTRIBUTED.items()}
     cases["cp2"] = ("test_context_parallel_step_equals_one_rank", *cases["cp2"][1:])
     cases["one-rank"] = ("test_context_parallel_step_equals_one_rank", 1, script, ["--ckpt", "{tmp}", "--dump", "{tmp}/steps"])
+    cases["sp-routers"] = ("test_sequence_parallel_routers_equal_one_router", 2, "scripts/router_stats_sp.py", [])
     return TorchrunCases(cases, tmp_path_factory.mktemp("router_stats"))
 
 
@@ -159,3 +196,18 @@ def test_training_forward_without_tree_padding_mask_is_refused(moe_checkpoint):
     gpt(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=tree_padding_mask(mb))
     with torch.no_grad():  # statistics are computed only with gradients
         gpt(mb.input_ids, mb.position_ids, mb.attention_mask)
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_routers_equal_one_router(runs, request):
+    """Sequence parallel at the router (scripts/router_stats_sp.py): two ranks, each routing half of a
+    micro-batch's slots with its own multiplicities and megatron-core's reductions over their TP group,
+    give one router's logits gradients, logged values (shares summed) and counts; upstream routers
+    on the same split are far off."""
+    out = runs.output(request, "sp-routers")
+    rows = [dict(re.findall(r"(\w+)=([^\s;]+)", part)) for part in out.split("ROUTERSP")[1:]]
+    rows = [r for r in rows if "rank" in r]
+    assert sorted(int(r["rank"]) for r in rows) == [0, 1], out[-3000:]
+    for r in rows:
+        assert max(float(r[k]) for k in ("grad", "logged", "counts")) < TOL, r
+        assert max(float(r["unweighted_grad"]), float(r["unweighted_counts"])) > 0.1, r
