@@ -2,19 +2,23 @@
 
 A tree training step with Megatron's load-balancing losses, z-loss or expert bias on equals the
 flat step with the same grouping (tests/scripts/router_stats_parity.py: loss, every gradient,
-logged aux losses, per-expert token counts), in-process at EP=1 (also under full recompute)
-and over gloo at EP=2 and PP=2; routers that count each slot once are far off. What a tree
-cannot reproduce is refused.
+logged aux losses, per-expert token counts), in-process at EP=1 (also under full recompute),
+over gloo at EP=2, PP=2 and CP=2 (against the one-rank step), at the router under sequence
+parallel (tests/scripts/router_stats_sp.py), and on one GPU under Transformer Engine; routers that
+count each slot once are far off. What a tree cannot reproduce is refused.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from dist_utils import TorchrunCases
+from dist_utils import REPO_ROOT, TESTS_DIR, TorchrunCases, cpu_env
 from hypothesis import given, settings
 from scripts.router_stats_parity import CASES, TOL, batch, build, compare, run_case, tree_step
 
@@ -143,15 +147,38 @@ def test_tree_step_equals_flat_step_distributed(runs, request, case):
     check_records(out, case)
 
 
-def check_records(out: str, case: str) -> None:
-    cases = DISTRIBUTED[case][1]
+def check_records(out: str, case: str, *, nproc: int = 2, cases: list[str] | None = None) -> None:
+    cases = DISTRIBUTED[case][1] if cases is None else cases
     # One "ROUTERSTATS rank=R case=C key=value ..." record per rank and case (lines may be glued).
     rows = [dict(re.findall(r"(\w+)=([^\s;]+)", part)) for part in out.split("ROUTERSTATS")[1:]]
     rows = [r for r in rows if "rank" in r and "case" in r]
-    assert sorted((int(r["rank"]), r["case"]) for r in rows) == sorted((r, c) for r in range(2) for c in cases), out[-3000:]
+    assert sorted((int(r["rank"]), r["case"]) for r in rows) == sorted((r, c) for r in range(nproc) for c in cases), out[-3000:]
     for r in rows:
         assert max(float(v) for k, v in r.items() if k.startswith("tree_")) < TOL, r
         assert max(float(r["unweighted_grad"]), float(r["unweighted_counts"])) > 0.1, r
+
+
+@pytest.mark.gpu  # Transformer Engine's spec (grouped-GEMM experts, all-to-all dispatcher) on one GPU
+@pytest.mark.multiprocess
+def test_tree_step_equals_flat_step_on_one_gpu(tmp_path):
+    """scripts/router_stats_parity.py on one GPU under Transformer Engine, fp32 with TF32 off: every case
+    of the tree step equals the rows, unweighted routers are far off."""
+    from megatron_tree.core.platform import have_transformer_engine
+
+    if not have_transformer_engine():
+        pytest.skip("needs Transformer Engine (the TE spec)")
+    env = cpu_env(NVIDIA_TF32_OVERRIDE="0")
+    env.pop("CUDA_VISIBLE_DEVICES")
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    script = TESTS_DIR / "scripts" / "router_stats_parity.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(script),
+           "--ckpt", str(tmp_path / "ckpt")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT)
+    out = proc.stdout + proc.stderr
+    print(out[-4000:])
+    assert proc.returncode == 0, out[-6000:]
+    check_records(out, "gpu", nproc=1, cases=list(CASES))
 
 
 @pytest.mark.multiprocess
