@@ -83,7 +83,8 @@ class _WeightedRouterStatistics:
     def __init__(self, router, slot_weights):
         self.router = router
         self.slot_weights = slot_weights
-        self.upstream = {name: getattr(router, name) for name in (*_ROUTER_METHODS, "attach_and_log_load_balancing_loss")}
+        names = (*_ROUTER_METHODS, "attach_and_log_load_balancing_loss")
+        self.upstream = {name: getattr(router, name) for name in names}
         self.weights = None
 
     def routing(self, logits, padding_mask=None):
@@ -130,7 +131,9 @@ class _WeightedRouterStatistics:
         coeff = r.config.moe_z_loss_coeff
         z_loss = coeff * (torch.logsumexp(logits, dim=-1).square() * w.multiplicity).sum() / max(w.num_tokens, 1)
         group = r.tp_cp_group if r.tp_cp_group.size() > 1 else None
-        return self.attach_and_log_load_balancing_loss(logits, coeff, z_loss, "z_loss", group, valid_token_count=w.num_tokens)
+        return self.attach_and_log_load_balancing_loss(
+            logits, coeff, z_loss, "z_loss", group, valid_token_count=w.num_tokens
+        )
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         w = self.weights
@@ -245,8 +248,8 @@ class SlotWeights:
 
     def rows(self, start: int, stop: int) -> "SlotWeights":
         """The weights of held slots ``[start, stop)`` (a sequence-parallel rank's part)."""
-        slots = torch.arange(start, stop, device=self.multiplicity.device) if self.slots is None else self.slots[start:stop]
-        return dataclasses.replace(self, multiplicity=self.multiplicity[start:stop], slots=slots)
+        held = torch.arange(start, stop, device=self.multiplicity.device) if self.slots is None else self.slots[start:stop]
+        return dataclasses.replace(self, multiplicity=self.multiplicity[start:stop], slots=held)
 
     def per_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, E] -> [n, E]``: row k sums ``x`` over sequence k's held slots (its root path's, where all
