@@ -248,7 +248,10 @@ class SlotWeights:
 
     def rows(self, start: int, stop: int) -> "SlotWeights":
         """The weights of held slots ``[start, stop)`` (a sequence-parallel rank's part)."""
-        held = torch.arange(start, stop, device=self.multiplicity.device) if self.slots is None else self.slots[start:stop]
+        if self.slots is None:
+            held = torch.arange(start, stop, device=self.multiplicity.device)
+        else:
+            held = self.slots[start:stop]
         return dataclasses.replace(self, multiplicity=self.multiplicity[start:stop], slots=held)
 
     def per_sequence(self, x: torch.Tensor) -> torch.Tensor:
@@ -379,7 +382,8 @@ def weigh_router_statistics(gpt: GPTModel) -> None:
     changes: without a :func:`tree_padding_mask` the routers behave as upstream's).
 
     Raises ValueError for what a tree cannot reproduce exactly: token dropping by expert
-    capacity, sinkhorn / quantile-balancing routing. When the routers compute statistics, training forwards of tree micro-batches
+    capacity, sinkhorn / quantile-balancing routing.
+    When the routers compute statistics, training forwards of tree micro-batches
     (integer ``attention_mask``) must pass :func:`tree_padding_mask`.
     """
 

@@ -135,7 +135,8 @@ def runs(tmp_path_factory):
     cases = {case: ("test_tree_step_equals_flat_step_distributed", 2, script, ["--ckpt", "{tmp}", *args])
              for case, (args, _) in DISTRIBUTED.items()}
     cases["cp2"] = ("test_context_parallel_step_equals_one_rank", *cases["cp2"][1:])
-    cases["one-rank"] = ("test_context_parallel_step_equals_one_rank", 1, script, ["--ckpt", "{tmp}", "--dump", "{tmp}/steps"])
+    one_rank = ["--ckpt", "{tmp}", "--dump", "{tmp}/steps"]
+    cases["one-rank"] = ("test_context_parallel_step_equals_one_rank", 1, script, one_rank)
     cases["sp-routers"] = ("test_sequence_parallel_routers_equal_one_router", 2, "scripts/router_stats_sp.py", [])
     return TorchrunCases(cases, tmp_path_factory.mktemp("router_stats"))
 
@@ -152,7 +153,8 @@ def check_records(out: str, case: str, *, nproc: int = 2, cases: list[str] | Non
     # One "ROUTERSTATS rank=R case=C key=value ..." record per rank and case (lines may be glued).
     rows = [dict(re.findall(r"(\w+)=([^\s;]+)", part)) for part in out.split("ROUTERSTATS")[1:]]
     rows = [r for r in rows if "rank" in r and "case" in r]
-    assert sorted((int(r["rank"]), r["case"]) for r in rows) == sorted((r, c) for r in range(nproc) for c in cases), out[-3000:]
+    want = sorted((r, c) for r in range(nproc) for c in cases)
+    assert sorted((int(r["rank"]), r["case"]) for r in rows) == want, out[-3000:]
     for r in rows:
         assert max(float(v) for k, v in r.items() if k.startswith("tree_")) < TOL, r
         assert max(float(r["unweighted_grad"]), float(r["unweighted_counts"])) > 0.1, r
