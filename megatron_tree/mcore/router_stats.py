@@ -15,6 +15,19 @@ weighted by its multiplicity:
 * the per-expert token counts the router keeps for aux-loss-free balancing
   (``local_tokens_per_expert``, ``moe_router_enable_expert_bias``) and for ``global_aux_loss``.
 
+Sequence and context parallel: each rank routes part of the slots (a CP rank its shard, a
+sequence-parallel rank an equal consecutive part of that) and weighs them with their own
+multiplicities (:func:`rank_slot_weights`). Megatron's own reductions then make the whole micro-batch's
+statistics: the per-expert counts (and per-sequence counts of ``seq_aux_loss``) are all-reduced over
+TP x CP (``global_aux_loss``: TP x DP x CP), each rank's loss is its slots' share and the shares add up
+to the single-rank loss, each rank's expert-bias counts are its share (summed over TP x DP x CP when
+the bias is updated), and the logged values are shares that the logging reduces over TP x CP. Every
+loss is attached with the micro-batch's token count, so the gradients equal those of the same step
+without TP / CP (megatron-core's own scaling varies with TP / CP: 0.16 scales the z-loss by the rank's
+tokens, 0.19 every loss by TP x CP times its count, NVIDIA/Megatron-LM#1652 and #5047).
+No collective is added to the step; the z-loss, which upstream logs per rank (its own mean), is logged
+as a share with the TP x CP reduce group (one more all-reduce where the logged values are reduced).
+
 Padding slots (multiplicity 0) count nowhere, nor does a micro-batch that holds no sequence
 (with ``global_aux_loss`` over several data-parallel ranks it still joins the all-reduce and
 counts as one of the step's micro-batches, as in upstream). The experts compute every slot once.
@@ -33,18 +46,21 @@ weights up by the mask's memory (weakly: they go when the mask does, after the b
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from dataclasses import dataclass
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_tree.core.context_parallel import ContextParallelShard
 from megatron_tree.core.microbatch import TreeMicroBatch
 from megatron_tree.core.patching import AttrPatch
 
-__all__ = ["SlotWeights", "tree_padding_mask", "weigh_router_statistics"]
+__all__ = ["SlotWeights", "rank_slot_weights", "tree_padding_mask", "weigh_router_statistics"]
 
 
 # TopKRouter methods wrapped by weighted_router_statistics, with the parameters they have had
@@ -61,43 +77,63 @@ _ROUTER_METHODS = {
 
 class _WeightedRouterStatistics:
     """The wrapped statistics methods of one router. ``weights`` is what ``slot_weights``
-    returned for the routing call in progress (None outside one, or for upstream behaviour)."""
+    returned for the routing call in progress, cut to the slots this rank routes (None outside
+    one, or for upstream behaviour)."""
 
     def __init__(self, router, slot_weights):
         self.router = router
         self.slot_weights = slot_weights
-        self.upstream = {name: getattr(router, name) for name in _ROUTER_METHODS}
+        names = (*_ROUTER_METHODS, "attach_and_log_load_balancing_loss")
+        self.upstream = {name: getattr(router, name) for name in names}
         self.weights = None
 
     def routing(self, logits, padding_mask=None):
         weights = self.slot_weights(padding_mask)
-        tokens = logits.shape[0] * logits.shape[1]
-        if weights is not None and weights.multiplicity.shape[0] != tokens and self.router.config.sequence_parallel:
-            # This rank routes its sequence-parallel slice of the slots. Binding refused routers
-            # with statistics under sequence parallel, so there is nothing to weigh.
-            weights = None
-        if weights is not None and weights.multiplicity.shape[0] != tokens:
-            raise ValueError(
-                f"the router got {tokens} tokens but its padding mask stands for a micro-batch of "
-                f"{weights.multiplicity.shape[0]} slots (sequence parallel splits the slots over tensor-"
-                f"parallel ranks); weighted router statistics need sequence_parallel=False"
-            )
-        self.weights = weights
-        try:
+        if weights is None:
             return self.upstream["routing"](logits, padding_mask=padding_mask)
+        seq, b = logits.shape[:2]
+        r = self.router
+        sp = (r.tp_group.rank(), r.tp_group.size()) if r.config.sequence_parallel else (0, 1)
+        self.weights = weights = rank_slot_weights(weights, seq * b, *sp)
+        try:
+            # Upstream gets this rank's own padding mask (on later pipeline stages megatron-core hands
+            # every sequence-parallel rank the whole micro-batch's).
+            return self.upstream["routing"](logits, padding_mask=(weights.multiplicity == 0).view(seq, b))
         finally:
             self.weights = None
+
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, *args, **kwargs):
+        w = self.weights
+        if w is None:
+            return self.upstream["attach_and_log_load_balancing_loss"](
+                activation, aux_loss_coeff, aux_loss, aux_loss_name, *args, **kwargs
+            )
+        # Upstream logs the loss (detached, with count 0 it attaches nothing); attached here, scaled by
+        # upstream's count: its reduce group's tokens (the per-expert counts it sums them from are
+        # all-reduced in place), i.e. the micro-batch's whatever the TP / CP split, as at TP = CP = 1.
+        # megatron-core 0.19 multiplies that by the TP x CP size on top (exact only for a count of
+        # this rank's tokens: a padding mask makes it the group's).
+        count = kwargs.pop("valid_token_count")
+        activation = self.upstream["attach_and_log_load_balancing_loss"](
+            activation, aux_loss_coeff, aux_loss.detach(), aux_loss_name, *args, valid_token_count=0, **kwargs
+        )
+        if self.router.calculate_per_token_loss:
+            aux_loss = aux_loss * count
+        return MoEAuxLossAutoScaler.apply(activation, aux_loss)
 
     def apply_z_loss(self, logits, padding_mask=None):
         w, r = self.weights, self.router
         if w is None or r.config.moe_z_loss_coeff is None or not (r.training and torch.is_grad_enabled()):
             return self.upstream["apply_z_loss"](logits, padding_mask=padding_mask)
-        # Upstream's z-loss (mean of logsumexp^2 over tokens, coefficient split over TP x CP),
-        # each token counted multiplicity times; attached and logged through the router's own
-        # method, whose per-token-loss scaling is upstream z-loss's in every version.
-        coeff = r.config.moe_z_loss_coeff / r.tp_cp_group.size()
+        # The micro-batch's mean of logsumexp^2 over its original tokens (each slot counted multiplicity
+        # times): this rank adds its slots' share; the TP x CP ranks' shares sum to it (logged with that
+        # reduce group; upstream logs each rank's own mean).
+        coeff = r.config.moe_z_loss_coeff
         z_loss = coeff * (torch.logsumexp(logits, dim=-1).square() * w.multiplicity).sum() / max(w.num_tokens, 1)
-        return r.attach_and_log_load_balancing_loss(logits, coeff, z_loss, "z_loss", None, valid_token_count=w.num_tokens)
+        group = r.tp_cp_group if r.tp_cp_group.size() > 1 else None
+        return self.attach_and_log_load_balancing_loss(
+            logits, coeff, z_loss, "z_loss", group, valid_token_count=w.num_tokens
+        )
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         w = self.weights
@@ -185,65 +221,105 @@ def weighted_router_statistics(router, slot_weights) -> list[AttrPatch]:
         )
     wrapped = _WeightedRouterStatistics(router, slot_weights)
     why = "tree training: router statistics count each slot once per sequence through it"
-    return [AttrPatch(router, name, getattr(wrapped, name), why) for name in _ROUTER_METHODS]
+    names = (*_ROUTER_METHODS, "attach_and_log_load_balancing_loss")
+    return [AttrPatch(router, name, getattr(wrapped, name), why) for name in names]
 
 
 
 @dataclass(frozen=True, kw_only=True)
 class SlotWeights:
-    """How many original tokens each slot of one micro-batch stands for, and whose they are.
+    """How many original tokens the slots a rank holds stand for, and whose they are: all T slots of
+    one micro-batch, or a context-parallel rank's shard of them, or a sequence-parallel rank's part.
 
-      multiplicity   LongTensor [T]  sequences through each slot (0 = padding).
-      subtree_end    IntTensor  [T]  the interval vector (``attention_mask[0]``).
-      last_slots     LongTensor [n]  each sequence's last slot; sequence k is the root path to it.
-      num_tokens     int             ``multiplicity.sum()``, on the host.
-      num_sequences  int             n.
+      multiplicity   LongTensor [s]         sequences through each held slot (0 = padding).
+      slots          LongTensor [s] | None  the micro-batch slot of each held slot (None: all T, in order).
+      subtree_end    IntTensor  [T]         the micro-batch's interval vector.
+      last_slots     LongTensor [n]         each sequence's last slot; sequence k is the root path to it.
+      num_tokens     int                    the micro-batch's original tokens (all ranks), on the host.
+      num_sequences  int                    n.
     """
 
     multiplicity: torch.Tensor
+    slots: torch.Tensor | None = None
     subtree_end: torch.Tensor
     last_slots: torch.Tensor
     num_tokens: int
     num_sequences: int
 
+    def rows(self, start: int, stop: int) -> "SlotWeights":
+        """The weights of held slots ``[start, stop)`` (a sequence-parallel rank's part)."""
+        if self.slots is None:
+            held = torch.arange(start, stop, device=self.multiplicity.device)
+        else:
+            held = self.slots[start:stop]
+        return dataclasses.replace(self, multiplicity=self.multiplicity[start:stop], slots=held)
+
     def per_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, E] -> [n, E]``: row k sums ``x`` over sequence k's slots (its root path).
+        """``[s, E] -> [n, E]``: row k sums ``x`` over sequence k's held slots (its root path's, where all
+        are held; summed over the ranks that hold the micro-batch's slots, the whole path's).
 
         Slot j is on the path of every slot in ``[j, subtree_end[j])``, so the path sum at
-        slot s is ``cumsum(x - y)[s]`` with ``y[e]`` = the rows whose subtree ends at e: a
+        slot i is ``cumsum(x - y)[i]`` with ``y[e]`` = the rows whose subtree ends at e: a
         running sum that never exceeds one path's total (fp64 for floats, int64 for counts;
         returned in ``x``'s dtype, ints as int64). Differentiable in ``x``.
         """
         work = torch.float64 if x.is_floating_point() else torch.int64
         rows = x.to(work)
+        if self.slots is not None:  # held slots into their micro-batch places, zeros elsewhere
+            rows = rows.new_zeros((self.subtree_end.shape[0], *rows.shape[1:])).index_put((self.slots,), rows)
         ended = torch.zeros((rows.shape[0] + 1, *rows.shape[1:]), dtype=work, device=rows.device)
         ended = ended.index_add(0, self.subtree_end, rows)
         path_sums = torch.cumsum(rows - ended[:-1], dim=0)
         return path_sums[self.last_slots].to(x.dtype if x.is_floating_point() else torch.int64)
 
 
+def rank_slot_weights(weights: SlotWeights, tokens: int, sp_rank: int = 0, sp_size: int = 1) -> SlotWeights:
+    """The part of ``weights`` that a router routing ``tokens`` tokens holds: all of them, or, under
+    sequence parallel over ``sp_size`` ranks (megatron-core splits the slots into equal consecutive
+    parts, in tensor-parallel rank order), rank ``sp_rank``'s part. ValueError when neither fits."""
+    held = weights.multiplicity.shape[0]
+    if held == tokens:
+        return weights
+    if sp_size > 1 and held == tokens * sp_size:
+        return weights.rows(sp_rank * tokens, (sp_rank + 1) * tokens)
+    raise ValueError(
+        f"the router got {tokens} tokens but its padding mask stands for {held} slots"
+        f"{f' (sequence parallel over {sp_size} ranks would give each {held / sp_size:g})' if sp_size > 1 else ''}; "
+        f"pass the padding mask of the micro-batch (or context-parallel shard) the model runs"
+    )
+
+
 # Weights of the padding masks in flight, keyed (weakly) on each mask's storage: the mask's
-# views (transpose, reshape) and detached copies in activation recompute share it.
+# views (transpose, reshape, a sequence-parallel rank's part of a [1, T] mask) and detached copies in
+# activation recompute share it.
 _WEIGHTS: "weakref.WeakKeyDictionary[torch.UntypedStorage, SlotWeights]" = weakref.WeakKeyDictionary()
 
 
-def tree_padding_mask(mb: TreeMicroBatch) -> torch.Tensor:
-    """``padding_mask`` for running ``mb`` through a tree MoE model: ``[1, T]`` bool, True on
-    padding slots (Megatron's convention), on ``mb``'s device.
+def tree_padding_mask(mb: TreeMicroBatch, shard: ContextParallelShard | None = None) -> torch.Tensor:
+    """``padding_mask`` for running ``mb`` (or, under context parallel, this rank's ``shard`` of it)
+    through a tree MoE model: ``[1, T]`` (``[1, s]``) bool, True on padding slots (Megatron's
+    convention), on ``mb``'s (``shard``'s) device.
 
     ``model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=tree_padding_mask(mb))``
     then weighs each slot's router statistics by ``mb.multiplicity`` (module docstring);
     :func:`megatron_tree.mcore.schedule.tree_forward_step` does this for MoE models. Make one per
     forward call; it holds the weights until it is freed.
     """
-    mask = mb.multiplicity == 0
-    _WEIGHTS[mask.untyped_storage()] = SlotWeights(
-        multiplicity=mb.multiplicity[0],
+    common = dict(
         subtree_end=mb.attention_mask[0],
         last_slots=mb.last_slots,
         num_tokens=mb.num_original_tokens,
         num_sequences=len(mb.sequence_ids),
     )
+    if shard is None:
+        mask = mb.multiplicity == 0
+        weights = SlotWeights(multiplicity=mb.multiplicity[0], **common)
+    else:
+        s = shard.num_slots
+        mask = shard.multiplicity == 0
+        slots = shard.attention_mask[0, shard.rank * s : (shard.rank + 1) * s].to(torch.int64)  # slot_order
+        weights = SlotWeights(multiplicity=shard.multiplicity[0], slots=slots, **common)
+    _WEIGHTS[mask.untyped_storage()] = weights
     return mask
 
 
@@ -279,14 +355,6 @@ def _check_supported(router: TopKRouter) -> None:
                 f"routing balances over the micro-batch's tokens, which a tree holds once per slot; use "
                 f"'aux_loss', 'seq_aux_loss', 'global_aux_loss' or 'none'"
             )
-    if (config.sequence_parallel or config.context_parallel_size > 1) and _statistics(router):
-        raise ValueError(
-            f"tree MoE router statistics ({', '.join(_statistics(router))}) need sequence_parallel=False and "
-            f"context_parallel_size=1 (got {config.sequence_parallel} / {config.context_parallel_size}): each rank's "
-            f"router would see a slice of the slots and their weights; turn sequence / context parallel "
-            f"off or the statistics off (moe_aux_loss_coeff=0 / moe_z_loss_coeff=None / "
-            f"moe_router_enable_expert_bias=False)"
-        )
 
 
 def _require_weights(gpt: GPTModel, statistics: list[str]) -> None:
@@ -314,8 +382,8 @@ def weigh_router_statistics(gpt: GPTModel) -> None:
     changes: without a :func:`tree_padding_mask` the routers behave as upstream's).
 
     Raises ValueError for what a tree cannot reproduce exactly: token dropping by expert
-    capacity, sinkhorn / quantile-balancing routing, and router statistics under sequence
-    parallel. When the routers compute statistics, training forwards of tree micro-batches
+    capacity, sinkhorn / quantile-balancing routing.
+    When the routers compute statistics, training forwards of tree micro-batches
     (integer ``attention_mask``) must pass :func:`tree_padding_mask`.
     """
 

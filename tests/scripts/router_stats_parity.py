@@ -12,6 +12,13 @@ the routers keep (``local_tokens_per_expert`` for expert bias, ``global_tokens_p
 without multiplicity weighting); it must be far off.
 
     torchrun --nproc-per-node 2 tests/scripts/router_stats_parity.py --ep 2 --ckpt DIR
+    torchrun --nproc-per-node 1 tests/scripts/router_stats_parity.py --ckpt DIR --dump D1
+    torchrun --nproc-per-node 2 tests/scripts/router_stats_parity.py --cp 2 --ckpt DIR --dump D2
+
+Under context parallel (``--cp``) each step is the CP ranks' steps combined (:func:`combine_ranks`);
+Megatron's own model cannot run CP on the CPU, so the in-job reference is the chains, and ``--dump``
+saves each case's tree and unweighted steps (``D/CASE.pt``, rank 0) for a test to :func:`compare` with
+the one-rank job's tree step (which matches the rows).
 
 Runs on CPU (gloo) and on GPUs (NCCL; fp32 exactness there needs NVIDIA_TF32_OVERRIDE=0).
 
@@ -22,6 +29,7 @@ The functions are also used in-process by ``tests/mcore/test_moe_router_stats.py
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import nullcontext
 from unittest import mock
@@ -224,11 +232,11 @@ def run_case(
     groups = [mb.sequence_ids for mb in mbs]
     bias = CASES[case].get("moe_router_enable_expert_bias", False)
     # A fresh model per step: finalizing a step with expert bias updates the bias.
-    tree = tree_step(build(path, case, recompute=recompute), mbs)
+    tree = whole_step(tree_step(build(path, case, recompute=recompute), mbs))
     chains_mbs = [build_micro_batch(seqs, g, share_prefixes=False) for g in groups]
-    chains = tree_step(build(path, case, recompute=recompute), chains_mbs)
-    with mock.patch("megatron_tree.mcore.schedule.tree_padding_mask", lambda mb: None):
-        unweighted = tree_step(build(path, case, weighted=False, recompute=recompute), mbs)
+    chains = whole_step(tree_step(build(path, case, recompute=recompute), chains_mbs))
+    with mock.patch("megatron_tree.mcore.schedule.tree_padding_mask", lambda mb, shard=None: None):
+        unweighted = whole_step(tree_step(build(path, case, weighted=False, recompute=recompute), mbs))
     ref = chains
     if rows:
         ref = rows_step(build(path, case, tree=False), seqs, [[j] for j in range(len(seqs))] if bias else groups)
@@ -236,13 +244,40 @@ def run_case(
     if rows:
         errors["chains"] = compare(chains, ref)
     shared = sum(mb.num_original_tokens for mb in mbs) / sum(mb.num_tokens for mb in mbs)
-    return dict(mbs=len(mbs), shared=shared, **errors)
+    return dict(mbs=len(mbs), shared=shared, steps=dict(tree=tree, unweighted=unweighted), **errors)
+
+
+def whole_step(step: dict) -> dict:
+    """``step`` under context parallel: combined with the other CP ranks' (:func:`combine_ranks`)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return step
+    steps = [None] * cp
+    dist.all_gather_object(steps, step, group=ps.get_context_parallel_group())
+    return combine_ranks(steps)
+
+
+def combine_ranks(steps: list[dict]) -> dict:
+    """One step from the steps of the context-parallel ranks of one data-parallel rank (rank order):
+    its loss and gradients (the same on every CP rank), the per-expert counts (a rank's expert-bias
+    counts are its slots' share: summed; the global aux loss's are all-reduced: rank 0's) and the
+    logged values (each rank logs its share: summed)."""
+    first = steps[0]
+    counts = {k: sum(s["counts"][k] for s in steps) if k.endswith("local_tokens_per_expert") else v
+              for k, v in first["counts"].items()}  # fmt: skip
+    logged = {k: sum(s["logged"][k] for s in steps) for k in first["logged"]}
+    return dict(loss=first["loss"], grads=first["grads"], counts=counts, logged=logged)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size (the chains are the reference)")
+    ap.add_argument("--dump", help="directory: each case's tree and unweighted steps, per rank")
     ap.add_argument("--ckpt", required=True, help="directory for the tiny HF checkpoint (shared by ranks)")
     ap.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -256,13 +291,16 @@ def main() -> None:
 
     ok = True
     with apply_compat_patches(), cpu_mode():
-        init_distributed(ep=args.ep, pp=args.pp, seed=7)
+        init_distributed(ep=args.ep, pp=args.pp, cp=args.cp, seed=7)
         path = save_tiny_hf_checkpoint("qwen3_moe", args.ckpt, num_hidden_layers=2)
         rank = dist.get_rank()
         # Same lengths on every data-parallel rank (so the row batches have one shape), different tokens.
         seqs = batch(np.random.default_rng(ps.get_data_parallel_rank()), 160)
         for case in args.cases:
-            r = run_case(path, case, seqs, max_tokens=48, recompute=args.recompute, rows=args.pp == 1)
+            r = run_case(path, case, seqs, max_tokens=48, recompute=args.recompute, rows=args.pp == args.cp == 1)
+            if args.dump and rank == 0:
+                os.makedirs(args.dump, exist_ok=True)
+                torch.save(r["steps"], os.path.join(args.dump, f"{case}.pt"))
             kinds = [k for k in ("tree", "chains", "unweighted") if k in r]
             fields = " ".join(f"{k}_{m}={v:.3e}" for k in kinds for m, v in r[k].items())
             print(f"ROUTERSTATS rank={rank} case={case} mbs={r['mbs']} shared={r['shared']:.2f} {fields}", flush=True)
