@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 if "--no-te" in sys.argv:  # before megatron-core looks for TE: its imports then see none
     sys.modules.update(transformer_engine=None, transformer_engine_torch=None)
@@ -49,7 +50,9 @@ def check(arch: str, work_dir: str) -> tuple[float, float]:
     tree.train()
     for mb in mbs:  # one micro-batch at a time, as training does
         weighted_sum(tree_logprobs(tree, [mb])).backward()
-    flat = build_model(path, tree=False)[0].train()
+    # The reference runs megatron-core's unfused RoPE: its fused MLA RoPE (a Triton kernel, TE spec) does not
+    # compile on the GPU host's Triton 3.6 (CompilationError), and the tree model runs unfused RoPE for MLA anyway.
+    flat = build_model(path, tree=False, extra_args={"apply_rope_fusion": False})[0].train()
     weighted_sum(flat_logprobs(flat, seqs)).backward()
     return lp_err, relative_grad_error(param_grads(tree), param_grads(flat))
 
@@ -74,6 +77,7 @@ def main(argv: list[str]) -> int:
                 print(f"{arch} spec={spec} logprob={lp:.3g} grad={grad:.3g}{'' if ok else ' FAIL'}", flush=True)
             except Exception as e:  # one family's failure must not hide the others' results
                 ok = False
+                traceback.print_exc()
                 print(f"{arch} spec={spec} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
             failed += not ok
             torch.cuda.empty_cache()

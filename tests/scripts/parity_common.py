@@ -44,11 +44,13 @@ def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
     return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))
 
 
-def build_model(hf_path: str, *, tree: bool, bf16: bool = False, recompute: str = "none"):
+def build_model(hf_path: str, *, tree: bool, bf16: bool = False, recompute: str = "none", extra_args=None):
     """Model chunks built by :func:`build_tree_model` / :func:`build_flat_model` from ``hf_path`` with its weights loaded
     (fp32, or bf16 wrapped in ``Float16Module`` whose outputs are fp32): tree attention and
-    per-token RoPE with ``tree=True``, the upstream (flat, causal) model with ``tree=False``."""
-    return bridge.build_model(hf_path, tree=tree, bf16=bf16, recompute=recompute, wrap_with_ddp=False)[1]
+    per-token RoPE with ``tree=True``, the upstream (flat, causal) model with ``tree=False``; ``extra_args``: more
+    TransformerConfig fields, as ``build_tree_model`` takes them."""
+    return bridge.build_model(hf_path, tree=tree, bf16=bf16, recompute=recompute, wrap_with_ddp=False,
+                              extra_args=extra_args)[1]
 
 
 def _tp_group():
