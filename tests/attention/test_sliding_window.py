@@ -324,6 +324,23 @@ def test_auto_and_dense_run_windowed_calls_on_cpu_and_cache_per_window(monkeypat
     assert not torch.allclose(ref[None], ref[3])
 
 
+@pytest.mark.parametrize("backend", ["dense", "auto"])
+def test_context_parallel_prepare_takes_the_window(backend):
+    """Under context parallel each rank's query rows get the windowed rows of its slots (the CP mask ``[1, 2T]``)."""
+    end, _, _ = tree_of(FOREST)
+    t, size = end.shape[0], 2
+    end = end[: t - t % size].clamp(max=t - t % size)
+    t = end.shape[0]
+    order = torch.randperm(t, generator=torch.Generator().manual_seed(0))
+    cp_mask = torch.cat([order.to(torch.int32), end])[None]
+    impl = get_tree_attention_backend(backend)
+    for rank in range(size):
+        prepared, inverse = dispatch._prepare_context_parallel(impl, cp_mask, rank, size, window=3)
+        dense = prepared if backend == "dense" else dispatch.dense_attention.prepare(*prepared["masks"], window=3)
+        assert torch.equal(dense[0, 0], dense_tree_mask(end, order[rank * t // size:(rank + 1) * t // size], 3))
+        assert torch.equal(order[inverse], torch.arange(t))
+
+
 def test_a_backend_without_window_refuses_windowed_calls():
     dense = get_tree_attention_backend("dense")
     name = "no_window_test_backend"
