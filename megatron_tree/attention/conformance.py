@@ -16,7 +16,8 @@ Two ways to call a backend, both recorded:
   is not trusted.
 
 ``python -m megatron_tree.attention.conformance --out results.json`` runs the grid on this machine's
-GPU and writes every row (a JSON list) and a table; ``tests/attention/test_attention_conformance.py`` runs
+GPU and writes every row (a JSON list) and a table; ``--window W`` runs it with a sliding window of W
+path tokens (the evidence for a backend's windowed table, e.g. ``flex.PROVEN_WINDOWED``); ``tests/attention/test_attention_conformance.py`` runs
 the routed rows (and, on CPU, the rule against a backend with a broken backward).
 
 Shape legend: T = slots, Tq = query rows, h / hkv = query / key-value heads, d / dv = q-k / v head dims.
@@ -102,6 +103,7 @@ class Row:
     dense_errors: dict = field(default_factory=dict)
     message: str = ""
     seconds: float = 0.0
+    window: int | None = None
 
 
 def _rel(xs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> dict[str, float]:
@@ -135,22 +137,27 @@ def _megatron_layout(fn: Callable) -> Callable:
     return attend
 
 
-def _raw(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: float) -> Callable | None:
+def _raw(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: float,
+         window: int | None = None) -> Callable | None:
     """The backend's kernel on the exact shape (no ``PROVEN`` table, no padding); None for backends without one."""
     if backend == "flex":
         from megatron_tree.attention.flex import flex_tree_attention, flex_tree_mask
 
-        mask = flex_tree_mask(end, query_slots=slots)
+        mask = flex_tree_mask(end, query_slots=slots, window=window)
         return lambda q, k, v: flex_tree_attention(q, k, v, mask, softmax_scale=scale)
     if backend == "fa4":
-        from megatron_tree.attention.fa4 import _flash, fa4_tree_mask
+        from megatron_tree.attention.fa4 import WINDOW_REFUSAL, _flash, fa4_tree_mask
+
+        if window is not None:
+            raise ValueError(WINDOW_REFUSAL)
 
         mask = fa4_tree_mask(end, slots)
         return lambda q, k, v: _flash(q, k, v, mask, scale)
     return None
 
 
-def _routed(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: float) -> Callable:
+def _routed(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: float,
+            window: int | None = None) -> Callable:
     """The backend as training calls it (query slots: the rank's share under context parallel, one process)."""
     from megatron_tree.attention import PREPARED_MASKS, get_tree_attention_backend
 
@@ -159,15 +166,20 @@ def _routed(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: 
     if slots is None:
         from megatron_tree.attention import tree_attention
 
-        return _megatron_layout(lambda q, k, v: tree_attention(q, k, v, end[None], scale=scale, backend=backend))
+        return _megatron_layout(
+            lambda q, k, v: tree_attention(q, k, v, end[None], scale=scale, backend=backend, window=window)
+        )
 
     def attend(q, k, v):  # the CP path of tree_attention after its all-gather: the rank's queries, all keys
-        shape = AttentionShape.of(q, k, v)
+        shape = AttentionShape.of(q, k, v, windowed=window is not None)
         reason = impl.refusal(shape, batch=1, dropout_p=0.0)
+        if reason is None and window is not None and not impl.windowed:
+            reason = f"the {backend} backend takes no sliding window"
         if reason is not None:
             raise ValueError(reason)
         PREPARED_MASKS.clear()
-        return impl.attend(q, k, v, impl.prepare(end[None], slots), scale=scale, dropout_p=0.0)
+        extra = {} if window is None else {"window": window}
+        return impl.attend(q, k, v, impl.prepare(end[None], slots, **extra), scale=scale, dropout_p=0.0)
 
     return attend
 
@@ -184,13 +196,14 @@ def run_conformance(
     heads: int = 8,
     device: torch.device | str | None = None,
     progress: Callable[[Row], None] | None = None,
+    window: int | None = None,
 ) -> list[Row]:
     """Every (backend, mode, tree, head dims, GQA ratio, dtype) of the grid; returns the rows.
 
     ``trees``: ``grpo`` / ``multi_turn`` (every slot a query) and ``grpo_query_slots`` (context
     parallel: a random half of the slots as queries, all slots as keys). ``heads`` query heads,
     ``heads / ratio`` key/value heads. The fp64 reference and the dense kernel's error are computed
-    once per (tree, shape, dtype).
+    once per (tree, shape, dtype). ``window``: every call with that sliding window (None: the plain tree mask).
     """
     from megatron_tree.attention import PREPARED_MASKS
 
@@ -210,7 +223,7 @@ def run_conformance(
         if tree.endswith("_query_slots"):
             slots = torch.randperm(t, generator=torch.Generator().manual_seed(3))[: t // 2].to(device)
         tq = t if slots is None else slots.numel()
-        mask = dense_tree_mask(end, slots)
+        mask = dense_tree_mask(end, slots, window)
         for (d, dv), ratio in ((dims, r) for dims in (head_dims or head_dim_grid()) for r in gqa_ratios):
             base = _inputs(t, tq, heads, heads // ratio, d, dv, device, seed=d * 10 + ratio)
             scale = 1.0 / math.sqrt(d)
@@ -226,20 +239,20 @@ def run_conformance(
                 dense_errors = _rel(_fwd_bwd(dense, base, dtype), ref)
                 for backend in backends:
                     for mode in modes:
-                        fn = _routed(backend, end, slots, scale) if mode == "routed" else None
+                        fn = _routed(backend, end, slots, scale, window) if mode == "routed" else None
                         if mode == "raw":
                             if backend not in ("flex", "fa4") or (backend == "flex" and not device.type == "cuda"):
                                 continue
                             try:
-                                fn = _raw(backend, end, slots, scale)
+                                fn = _raw(backend, end, slots, scale, window)
                             except Exception as exc:  # FA4 not runnable here
                                 emit(Row(backend, mode, tree, d, dv, ratio, dtype_name, generation, "error",
-                                         message=f"{type(exc).__name__}: {exc}"[:400]))
+                                         message=f"{type(exc).__name__}: {exc}"[:400], window=window))
                                 continue
                         PREPARED_MASKS.clear()
                         start = time.perf_counter()
                         row = Row(backend, mode, tree, d, dv, ratio, dtype_name, generation, "pass",
-                                  dense_errors=dense_errors)
+                                  dense_errors=dense_errors, window=window)
                         try:
                             errors = _rel(_fwd_bwd(fn, base, dtype), ref)
                         except Exception as exc:
@@ -259,7 +272,8 @@ def _line(row: Row) -> str:
     dims = f"{row.head_dim}" + ("" if row.v_head_dim == row.head_dim else f"/v{row.v_head_dim}")
     worst = max(((e / (row.dense_errors[n] or 1e-30), n) for n, e in row.errors.items()), default=None)
     ratio = f"worst {worst[1]} {worst[0]:.2f}x dense" if worst else row.message[:120]
-    return (f"{row.backend:6} {row.mode:6} {row.tree:17} d={dims:7} gqa={row.gqa_ratio} {row.dtype:4} "
+    tree = row.tree if row.window is None else f"{row.tree} w={row.window}"
+    return (f"{row.backend:6} {row.mode:6} {tree:17} d={dims:7} gqa={row.gqa_ratio} {row.dtype:4} "
             f"{row.device:5} {row.status:7} {ratio}")
 
 
@@ -278,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trees", nargs="+", choices=["grpo", "multi_turn", "grpo_query_slots"],
                         default=["grpo", "multi_turn", "grpo_query_slots"])
     parser.add_argument("--modes", nargs="+", choices=["routed", "raw"], default=["routed", "raw"])
+    parser.add_argument("--window", type=int, default=None,
+                        help="a sliding window of this many path tokens on every call (default: none)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="slots of each test tree, about (default: 3000 on a GPU, 300 on the CPU)")
     args = parser.parse_args(argv)
@@ -308,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump({"meta": meta, "k": K, "rows": [asdict(r) for r in done]}, f, indent=1)
 
     rows = run_conformance(args.backends, head_dims=dims, gqa_ratios=args.gqa_ratios, dtypes=args.dtypes,
-                           trees=args.trees, modes=args.modes, heads=args.heads,
+                           trees=args.trees, modes=args.modes, heads=args.heads, window=args.window,
                            max_tokens=args.max_tokens or (3000 if torch.cuda.is_available() else 300),
                            progress=record)
     failed = [r for r in rows if r.mode == "routed" and r.status == "FAIL"]

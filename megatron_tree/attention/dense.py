@@ -1,7 +1,7 @@
 """The ``"dense"`` tree attention backend: PyTorch SDPA with the materialised ``[Tq, T]`` tree mask.
 
 The reference every other backend is tested against; runs on any device and dtype, with
-attention dropout. Memory and time grow with Tq * T, so it is for tests and small micro-batches.
+attention dropout and with a sliding window. Memory and time grow with Tq * T, so it is for tests and small micro-batches.
 Backend interface: :class:`megatron_tree.attention.TreeAttentionBackend`.
 """
 
@@ -14,9 +14,10 @@ from megatron_tree.core.masks import dense_tree_mask
 __all__ = ["attend", "prepare"]
 
 
-def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
-    """The dense mask bool ``[b, 1, Tq, T]`` (True = attend; the head dim broadcasts)."""
-    return torch.stack([dense_tree_mask(row, query_slots) for row in subtree_end]).unsqueeze(1)
+def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """The dense mask bool ``[b, 1, Tq, T]`` (True = attend; the head dim broadcasts); ``window``: a sliding
+    window of that many path tokens (:mod:`megatron_tree.core.masks`), None = none."""
+    return torch.stack([dense_tree_mask(row, query_slots, window) for row in subtree_end]).unsqueeze(1)
 
 
 def attend(query, key, value, prepared, *, scale, dropout_p):
@@ -29,5 +30,6 @@ def attend(query, key, value, prepared, *, scale, dropout_p):
 
 
 def refusal(shape, *, batch: int, dropout_p: float) -> None:
-    """Backend ``refusal``: the dense reference computes every call (any head dims, GQA ratio, dtype, device)."""
+    """Backend ``refusal``: the dense reference computes every call (any head dims, GQA ratio, dtype, device,
+    sliding window or not)."""
     return None

@@ -9,20 +9,27 @@ the ``attention_mask`` given to ``GPTModel.forward``. Here that mask is the inte
 ``subtree_end`` (int ``[b, s]``, see :mod:`megatron_tree.core.masks`): key j is visible to query i iff
 ``j <= i < subtree_end[b, j]``. The output is ``[s, b, np * hn]``.
 
+Sliding window (``window`` W, Hugging Face's ``sliding_window``, megatron-core's ``window_size=(W - 1, 0)``):
+key j is visible to query i iff it is visible in the tree and ``depth(i) - depth(j) < W``; the depths
+come from ``subtree_end`` itself (:mod:`megatron_tree.core.masks`). Backends that take it declare
+``windowed=True``; a windowed call is a shape of its own (:attr:`AttentionShape.windowed`), proven apart.
+
 Backends turn the interval vector into what their kernel needs (``prepare``) and run attention
 (``attend``). ``prepare`` runs at most once per micro-batch: its result is cached on the mask
 tensor's memory, so the layers of a model and their recomputation share it. One module per
 backend, registered here by name (:func:`register_tree_attention_backend` adds more):
 
 * ``"dense"`` (:mod:`megatron_tree.attention.dense`): SDPA with the materialised mask; the
-  reference, any device, dtype, head dims and dropout.
+  reference, any device, dtype, head dims, dropout and sliding window.
 * ``"flex"`` (:mod:`megatron_tree.attention.flex`): block-sparse FlexAttention (Triton) from the
-  interval vector; CUDA, b = 1, no attention dropout, fp32 included.
+  interval vector; CUDA, b = 1, no attention dropout, fp32 included; sliding window (blocks before
+  every query's window skipped) where a GPU proved it (none yet).
 * ``"fa4"`` (:mod:`megatron_tree.attention.fa4`): FlashAttention-4's block-sparse CuTe kernels;
-  Hopper with ``flash-attn-4``, bf16, b = 1, no attention dropout.
+  Hopper with ``flash-attn-4``, bf16, b = 1, no attention dropout, no sliding window.
 * ``"auto"`` (the default) picks per call the fastest backend proven exact on it: ``"fa4"``; for a
   micro-batch without a branch (a forest of chains) where FA4 does not run, Transformer Engine's
   cuDNN varlen attention (:mod:`megatron_tree.attention.te_chains`); ``"flex"``; else ``"dense"``.
+  Windowed calls: ``"flex"`` where proven, else ``"dense"``.
 
 No kernel is trusted beyond the shapes whose gradients a GPU test compared: each backend module
 has a ``PROVEN`` table (:class:`~megatron_tree.attention.shapes.ProvenShapes`: head dim, v head
@@ -52,6 +59,7 @@ from megatron_tree.attention import fa4 as fa4_attention
 from megatron_tree.attention import flex as flex_attention
 from megatron_tree.attention import te_chains as chain_attention
 from megatron_tree.attention.shapes import AttentionShape, device_generation
+from megatron_tree.core.masks import check_window
 from megatron_tree.core.platform import have_transformer_engine
 
 __all__ = [
@@ -68,11 +76,12 @@ __all__ = [
 class TreeAttentionBackend:
     """A way to run tree attention.
 
-    prepare(subtree_end, query_slots=None) -> Any
+    prepare(subtree_end, query_slots=None[, window=W]) -> Any
         ``subtree_end`` int ``[b, s]`` (already validated); ``query_slots`` int ``[sq]`` or None:
-        the slot of each query row (context parallel), None = all s slots in order. Returns what
-        ``attend`` needs; it is computed once per micro-batch and cached, so build the expensive
-        parts here.
+        the slot of each query row (context parallel), None = all s slots in order; ``window`` (passed
+        only for a windowed call, to backends with ``windowed=True``): the sliding window, an int >= 1.
+        Returns what ``attend`` needs; it is computed once per micro-batch and window and cached, so
+        build the expensive parts here.
     attend(query, key, value, prepared, *, scale, dropout_p) -> Tensor
         ``query [b, np, sq, hn]``, ``key [b, ng, s, hn]``, ``value [b, ng, s, dv]`` (GQA: np % ng == 0,
         query head h reads key/value head ``h // (np // ng)``). Returns ``[b, np, sq, dv]``; ``scale``
@@ -81,13 +90,17 @@ class TreeAttentionBackend:
         Why ``attend`` does not compute a call of this :class:`~megatron_tree.attention.shapes.AttentionShape`
         exactly (not proven on it, no such kernel here, dropout, b > 1), or None when it does. A kernel
         is trusted only on the shapes whose gradients a GPU test compared (its ``PROVEN`` table).
+        ``shape.windowed`` says whether the call has a sliding window.
         Asked before every call: an explicit backend raises it, ``auto`` passes to the next backend.
+    windowed
+        ``prepare`` takes ``window=`` (a backend without it refuses every windowed call).
     """
 
     name: str
     prepare: Callable[[torch.Tensor], Any]
     attend: Callable[..., torch.Tensor]
     refusal: Callable[..., str | None]
+    windowed: bool = False
 
 
 _BACKENDS: dict[str, TreeAttentionBackend] = {}
@@ -116,9 +129,11 @@ def get_tree_attention_backend(name: str) -> TreeAttentionBackend:
     return _BACKENDS[name]
 
 
-for _name, _module in (("dense", dense_attention), ("flex", flex_attention), ("fa4", fa4_attention)):
+for _name, _module, _windowed in (("dense", dense_attention, True), ("flex", flex_attention, True),
+                                  ("fa4", fa4_attention, False)):
     register_tree_attention_backend(
-        TreeAttentionBackend(name=_name, prepare=_module.prepare, attend=_module.attend, refusal=_module.refusal)
+        TreeAttentionBackend(name=_name, prepare=_module.prepare, attend=_module.attend, refusal=_module.refusal,
+                             windowed=_windowed)
     )
 
 _PASSED_OVER: set[tuple[str, AttentionShape]] = set()
@@ -137,13 +152,16 @@ def _pass_over(name: str, shape: AttentionShape, reason: str) -> None:
         )
 
 
-def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> dict:
+def _auto_prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None, window: int | None = None) -> dict:
     """What ``auto`` may need, by kernel: ``"fa4"`` the FA4 block tables where those kernels run (CUDA
     Hopper/Blackwell, flash-attn-4); else ``"chains"`` = ``(cu_seqlens, max_seqlen)`` when the
     micro-batch has no branch, Transformer Engine is installed and every slot is a query; else
     ``"flex"`` on CUDA and ``"dense"`` elsewhere. ``attend`` adds a flex or dense mask later if the call's dtype, head dim or
-    dropout needs one (a dict: the cached entry is updated in place, so that happens once per mask)."""
-    prepared = {"masks": (subtree_end, query_slots)}
+    dropout needs one (a dict: the cached entry is updated in place, so that happens once per mask).
+    With a sliding ``window`` nothing is built here: ``attend`` builds the flex or dense mask it uses."""
+    prepared = {"masks": (subtree_end, query_slots), "window": window}
+    if window is not None:  # FA4 and TE's chain path have no window; flex / dense are built when used
+        return prepared
     cuda_one = subtree_end.is_cuda and subtree_end.shape[0] == 1
     if cuda_one and fa4_attention.fa4_available(subtree_end.device):
         prepared["fa4"] = fa4_attention.prepare(subtree_end, query_slots)
@@ -166,8 +184,9 @@ def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
     # -> FA4's block-sparse kernels (with or without branches: on the no-sharing batch they beat TE's
     # cuDNN THD varlen attention, 1.67 vs 2.25 ms); -> FlexAttention; else the dense reference. An
     # installed kernel passed over because it is not proven on the call is warned about once.
-    masks = prepared["masks"]
-    shape = AttentionShape.of(query, key, value)
+    masks, window = prepared["masks"], prepared["window"]
+    extra = {} if window is None else {"window": window}
+    shape = AttentionShape.of(query, key, value, windowed=window is not None)
     batch = masks[0].shape[0]
     if "chains" in prepared and query.dtype in (torch.bfloat16, torch.float16):
         reason = chain_attention.refusal(shape, dropout_p=dropout_p)
@@ -183,17 +202,18 @@ def _auto_attend(query, key, value, prepared, *, scale, dropout_p):
         reason = flex_attention.refusal(shape, batch=batch, dropout_p=dropout_p)
         if reason is None:
             if "flex" not in prepared:
-                prepared["flex"] = flex_attention.prepare(*masks)
+                prepared["flex"] = flex_attention.prepare(*masks, **extra)
             return flex_attention.attend(query, key, value, prepared["flex"], scale=scale, dropout_p=dropout_p)
         if batch == 1:
             _pass_over("flex", shape, reason)
     if "dense" not in prepared:
-        prepared["dense"] = dense_attention.prepare(*masks)
+        prepared["dense"] = dense_attention.prepare(*masks, **extra)
     return dense_attention.attend(query, key, value, prepared["dense"], scale=scale, dropout_p=dropout_p)
 
 
 register_tree_attention_backend(
-    TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend, refusal=dense_attention.refusal)
+    TreeAttentionBackend(name="auto", prepare=_auto_prepare, attend=_auto_attend, refusal=dense_attention.refusal,
+                         windowed=True)
 )
 
 
@@ -234,7 +254,7 @@ def check_subtree_end_values(subtree_end: torch.Tensor) -> None:
 class _PreparedMaskCache:
     """What each backend prepared for the last few masks, keyed on the mask's memory.
 
-    Keys are (backend, device, data_ptr, shape, stride, version counter). The entry holds the
+    Keys are (backend, window, context parallel, device, data_ptr, shape, stride, version counter). The entry holds the
     mask tensor itself, so its memory cannot be reused by another tensor while the entry lives;
     ``detach()`` (done by activation recompute) shares memory and version counter, so a
     recomputed layer finds the entry its forward made. In-place edits bump the version and miss
@@ -245,14 +265,17 @@ class _PreparedMaskCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
 
-    def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor, cp: tuple[int, int] | None = None) -> Any:
-        """``backend.prepare(subtree_end)``, computed on the first call for this mask.
+    def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor, cp: tuple[int, int] | None = None,
+            window: int | None = None) -> Any:
+        """``backend.prepare(subtree_end)``, computed on the first call for this mask (and ``window``: a sliding
+        window, passed to ``prepare`` when not None).
 
         ``cp = (rank, size)`` (context parallel): ``subtree_end`` is the CP mask ``[1, 2T]``
         (module docstring); returns ``(prepared for the rank's queries, inverse [T] int64: the
         rank-order position of each global slot)``."""
         key = (
             backend.name,
+            window,
             cp,
             str(subtree_end.device),
             subtree_end.data_ptr(),
@@ -264,11 +287,12 @@ class _PreparedMaskCache:
         if hit is not None:
             self._entries.move_to_end(key)
             return hit[1]
+        extra = {} if window is None else {"window": window}
         if cp is None:
             check_subtree_end_values(subtree_end)
-            prepared = backend.prepare(subtree_end)
+            prepared = backend.prepare(subtree_end, **extra)
         else:
-            prepared = _prepare_context_parallel(backend, subtree_end, *cp)
+            prepared = _prepare_context_parallel(backend, subtree_end, *cp, **extra)
         self._entries[key] = (subtree_end, prepared)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -279,7 +303,7 @@ class _PreparedMaskCache:
         self._entries.clear()
 
 
-def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor, rank: int, size: int) -> tuple:
+def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor, rank: int, size: int, **extra) -> tuple:
     """``(backend.prepare(subtree_end, this rank's query slots), inverse)`` from the CP mask ``[1, 2T]``
     (validated: the subtree ends, and the slot order is a permutation of ``0..T-1``; two host syncs)."""
     t = mask.shape[1] // 2
@@ -293,13 +317,14 @@ def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor,
     s = t // size
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(t, device=order.device)
-    return backend.prepare(subtree_end, order[rank * s : (rank + 1) * s]), inverse
+    return backend.prepare(subtree_end, order[rank * s : (rank + 1) * s], **extra), inverse
 
 
-# Two entries: the micro-batch in flight plus one whose backward (and recompute) is pending.
-# Deeper pipelines keep more micro-batches in flight: their recompute then prepares again
-# (correct, only slower). PREPARED_MASKS.clear() frees the cached masks after a step.
-PREPARED_MASKS = _PreparedMaskCache(capacity=2)
+# Four entries: the micro-batch in flight plus one whose backward (and recompute) is pending, each
+# with up to two masks (a model alternating sliding-window and full layers). Deeper pipelines keep
+# more micro-batches in flight: their recompute then prepares again (correct, only slower).
+# PREPARED_MASKS.clear() frees the cached masks after a step.
+PREPARED_MASKS = _PreparedMaskCache(capacity=4)
 
 
 def tree_attention(
@@ -312,16 +337,20 @@ def tree_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     cp_group: torch.distributed.ProcessGroup | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a DFS-laid-out tree micro-batch, Megatron layout.
 
     query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, dv], subtree_end int [b, s] ->
     [s, b, np * dv] (dv = hn but in MLA). ``scale`` None means ``1 / sqrt(hn)``. With a ``cp_group``
     of more than one rank (context parallel, module docstring) the s slots are this rank's share of
-    T = s * cp, b = 1, and ``subtree_end`` is the CP mask int ``[1, 2T]``. A named ``backend`` that is
+    T = s * cp, b = 1, and ``subtree_end`` is the CP mask int ``[1, 2T]``. ``window`` (int >= 1, None =
+    none): sliding window, key j visible to query i iff j is an ancestor-or-self of i and
+    ``depth(i) - depth(j) < window`` (Hugging Face's ``sliding_window``). A named ``backend`` that is
     not proven on this call (its ``refusal``) raises ``ValueError`` with the reason; ``"auto"`` takes
     the fastest backend that is.
     """
+    check_window(window)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
         raise ValueError(
             f"expected query [s, b, np, hn], key [s, b, ng, hn] and value [s, b, ng, dv], got "
@@ -339,8 +368,11 @@ def tree_attention(
             f"[{s}, {b}, ng, {hn}] with {n_q} % ng == 0, got {tuple(key.shape)}"
         )
     impl = get_tree_attention_backend(backend)
-    shape = AttentionShape(hn, value.shape[3], n_q // key.shape[2], query.dtype, device_generation(query.device))
+    shape = AttentionShape(hn, value.shape[3], n_q // key.shape[2], query.dtype, device_generation(query.device),
+                           windowed=window is not None)
     reason = impl.refusal(shape, batch=b, dropout_p=dropout_p)
+    if reason is None and window is not None and not impl.windowed:
+        reason = f"the {backend} backend takes no sliding window (registered without windowed=True)"
     if reason is not None:
         raise ValueError(
             f"tree attention backend {backend!r} does not run this call: {reason}. Use backend='auto' (the fastest "
@@ -357,12 +389,12 @@ def tree_attention(
                 f"got shape {tuple(getattr(subtree_end, 'shape', ()))}"
             )
         check_subtree_end(subtree_end, 1, 2 * s * cp)
-        prepared, inverse = PREPARED_MASKS.get(impl, subtree_end, (torch.distributed.get_rank(cp_group), cp))
+        prepared, inverse = PREPARED_MASKS.get(impl, subtree_end, (torch.distributed.get_rank(cp_group), cp), window)
         # All T keys / values in DFS order: gathered in CP-rank order, then permuted back.
         key, value = (gather_slots(x, cp_group).index_select(0, inverse) for x in (key, value))
     else:
         check_subtree_end(subtree_end, b, s)
-        prepared = PREPARED_MASKS.get(impl, subtree_end)
+        prepared = PREPARED_MASKS.get(impl, subtree_end, window=window)
     out = impl.attend(
         query.permute(1, 2, 0, 3),
         key.permute(1, 2, 0, 3),

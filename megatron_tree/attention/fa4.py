@@ -24,6 +24,11 @@ Trusted only where a GPU test compared its gradients (:data:`PROVEN`: bf16 on Ho
 128 with MHA and GQA 2:1 / 4:1 / 8:1, 64 / 128 with GQA 5:1 / 7:1 too, flash-attn-4 4.0.0b36; 4.0.0b36 returns a wrong dQ at
 head dims 72 - 112 (and at GQA 4:1 and 8:1 a wrong dK and dV too) and refuses 192 / 256). Every other call is refused (``auto`` sends it to a backend proven there).
 
+No sliding window: :data:`WINDOW_REFUSAL`. The block tables could express it exactly (``classify_blocks``
+takes each query row's window start), but the CuTe ``mask_mod`` s (and the lean mask of
+:mod:`~megatron_tree.attention.fa4_kernels`) read only ``subtree_end`` and no windowed kernel has been
+compared on a GPU, so windowed calls are refused and ``auto`` sends them to ``"flex"`` / ``"dense"``.
+
 As the ``"fa4"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend` /
 :func:`refusal` (b = 1, no attention dropout, the shapes above); ``"auto"`` picks it for the calls
 it computes exactly, wherever it runs.
@@ -51,6 +56,7 @@ __all__ = [
     "FA4_VERSION",
     "FA4TreeMask",
     "PROVEN",
+    "WINDOW_REFUSAL",
     "attend",
     "fa4_available",
     "fa4_tree_attention",
@@ -278,8 +284,17 @@ def _unproven(shape: AttentionShape) -> ValueError | None:
     return ValueError(f"{reason}. Use backend='auto' (it sends such calls to a backend proven there) or 'dense'")
 
 
+WINDOW_REFUSAL = (
+    "the fa4 backend has no sliding-window mask: its CuTe mask_mod reads only subtree_end and no windowed FA4 kernel "
+    "was compared on a GPU (the block tables could express the window; the per-element mask is not written)"
+)
+"""Why a windowed call does not run on FA4 (module docstring)."""
+
+
 def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | None:
     """Backend ``refusal``: why the fa4 backend does not compute a call of ``shape`` exactly, None when it does."""
+    if shape.windowed:
+        return WINDOW_REFUSAL
     if dropout_p:
         return f"the fa4 backend has no attention dropout (attention_dropout={dropout_p})"
     if shape.dtype not in (torch.bfloat16, torch.float16):

@@ -6,7 +6,10 @@ d = head dim, nq / nk = query / key blocks of ``Tp``, bq / bk = their block size
 
 Mask (the interval encoding, see ``megatron_tree.core.masks``): slots are in DFS pre-order and
 key j is visible to query i iff ``j <= i < subtree_end[j]``; a padding slot j has
-``subtree_end[j] == j + 1`` and sees only itself.
+``subtree_end[j] == j + 1`` and sees only itself. With a sliding window of W path tokens the mask
+is ``window_start[i] <= j <= i < subtree_end[j]`` (:func:`megatron_tree.core.masks.window_starts`):
+key blocks wholly before every query's window start are skipped, blocks wholly inside every
+query's window and the tree are full.
 
 Cost model. ``create_block_mask`` evaluates the ``mask_mod`` on all T² pairs (12-14 ms for
 T = 32k on an H200, more than the tree attention's 8 ms forward + backward). Here the block
@@ -28,7 +31,7 @@ back to eager FlexAttention, which materialises the full [b, h, Tp, Tp] score ma
 
 As the ``"flex"`` backend of :mod:`megatron_tree.attention`: :func:`prepare` / :func:`attend` /
 :func:`refusal` (CUDA, b = 1, no attention dropout; on the shapes of :data:`PROVEN` only, fp32
-included). :func:`flex_tree_attention` itself runs any shape FlexAttention takes, unchecked (CPU:
+included; with a sliding window on those of :data:`PROVEN_WINDOWED`). :func:`flex_tree_attention` itself runs any shape FlexAttention takes, unchecked (CPU:
 forward only, a FlexAttention limitation).
 """
 
@@ -44,9 +47,11 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
+from megatron_tree.core.masks import check_window, window_starts
 
 __all__ = [
     "PROVEN",
+    "PROVEN_WINDOWED",
     "RECOMPILE_LIMIT",
     "FlexTreeMask",
     "attend",
@@ -56,6 +61,7 @@ __all__ = [
     "padded_length",
     "prepare",
     "refusal",
+    "row_window_starts",
     "tree_block_mask",
 ]
 
@@ -81,6 +87,16 @@ PROVEN = ProvenShapes.grid(
 )
 """Where this backend's FlexAttention kernels were proven exact (forward and backward against the dense
 reference, on a GPU); other calls go elsewhere (``auto``) or are refused."""
+
+PROVEN_WINDOWED = ProvenShapes.none(
+    "the windowed mask_mod and block tables are checked on CPU (tables against the dense mask, forward against dense "
+    "SDPA), not yet forward and backward on a GPU: tests/attention/test_sliding_window.py -m gpu, or "
+    "python -m megatron_tree.attention.conformance --window W",
+    windowed=True,
+)
+"""Where the flex backend's sliding-window mask was proven exact on a GPU (forward and backward against the dense
+reference): nowhere yet, so ``auto`` sends windowed calls to the dense reference. Add the shapes a GPU run
+compared (``ProvenShapes.grid(..., windowed=True)``)."""
 
 RECOMPILE_LIMIT = 64
 """Compiled graphs allowed for the module-level compiled FlexAttention (Dynamo's default is 8)."""
@@ -122,7 +138,10 @@ def _check_subtree_end(subtree_end: torch.Tensor) -> torch.Tensor:
 
 
 def classify_blocks(
-    subtree_end: torch.Tensor, block_size: int | tuple[int, int] = 128, query_slots: torch.Tensor | None = None
+    subtree_end: torch.Tensor,
+    block_size: int | tuple[int, int] = 128,
+    query_slots: torch.Tensor | None = None,
+    row_window_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Classify the (query block, key block) tiles of the tree mask: ``(partial, full)``, each bool [nq, nk].
 
@@ -150,6 +169,14 @@ def classify_blocks(
     slot of the block's rows: "nonempty" stays a necessary condition (a block it flags may still
     be empty: it is then partial and the ``mask_mod`` masks it) and "full" a sufficient one
     (a block holding a padding row is never full).
+
+    ``row_window_start`` int [Tq] (a sliding window): query row r sees only keys ``j >= row_window_start[r]``
+    (:func:`megatron_tree.core.masks.window_starts` of its slot; a padding row: any value > its slot). With
+    ``w0`` / ``w1`` the least / largest start of the block's rows, a tile is also empty if ``k1 < w0`` (the key
+    block lies before every row's window: skipped), and full only if also ``k0 >= w1`` (inside every row's
+    window). "Nonempty" is then a necessary condition (a pair may meet the tree and the window conditions
+    through different rows: partial, masked per element), "full" stays sufficient. On a chain (one
+    sequence) the tables are exactly the sliding-window band's.
     """
     end = _check_subtree_end(subtree_end)
     bq, bk = _block_sizes(block_size)
@@ -171,6 +198,12 @@ def classify_blocks(
     k1 = k0 + (bk - 1)
     nonempty = (k0 <= q1) & (max_end[None, :] > q0)
     full = (k1 <= q0) & (min_end[None, :] > q1)
+    if row_window_start is not None:
+        if row_window_start.numel() != q0.shape[0] * bq:
+            raise ValueError(f"row_window_start has {row_window_start.numel()} rows, expected {q0.shape[0] * bq}")
+        starts = row_window_start.reshape(-1, bq).to(end.device, torch.int64)
+        nonempty &= k1 >= starts.amin(dim=1)[:, None]
+        full &= k0 >= starts.amax(dim=1)[:, None]
     return nonempty & ~full, full
 
 
@@ -192,26 +225,53 @@ def pad_query_slots(query_slots: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([query_slots.reshape(-1), query_slots.new_full((length - query_slots.numel(),), -1)]).to(torch.int32)
 
 
-def _interval_mask_mod(end: torch.Tensor, query_slots: torch.Tensor | None = None):
+def _interval_mask_mod(end: torch.Tensor, query_slots: torch.Tensor | None = None,
+                       row_window_start: torch.Tensor | None = None):
     """FlexAttention mask_mod of the interval encoding over ``end`` int [Tp] (True = attend); with
-    ``query_slots`` int [Tqp], query row q is slot ``query_slots[q]`` (-1 sees nothing)."""
+    ``query_slots`` int [Tqp], query row q is slot ``query_slots[q]`` (-1 sees nothing); with
+    ``row_window_start`` int [Tqp] (a sliding window), row q sees only keys ``>= row_window_start[q]``."""
 
-    if query_slots is None:
+    if query_slots is None and row_window_start is None:
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
 
-    else:
+    elif query_slots is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < end[kv_idx]) & (kv_idx >= row_window_start[q_idx])
+
+    elif row_window_start is None:
 
         def mask_mod(b, h, q_idx, kv_idx):
             slot = query_slots[q_idx]
             return (kv_idx <= slot) & (slot < end[kv_idx])
 
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            slot = query_slots[q_idx]
+            return (kv_idx <= slot) & (slot < end[kv_idx]) & (kv_idx >= row_window_start[q_idx])
+
     return mask_mod
 
 
+def row_window_starts(end_padded: torch.Tensor, window: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [Tqp]: the first key slot each query row sees under a sliding ``window``
+    (:func:`~megatron_tree.core.masks.window_starts` over the padded ``end_padded`` int [Tp]); with ``slots``
+    int [Tqp] (context parallel), row r is slot ``slots[r]`` and a padding row (-1) gets ``Tp`` (sees nothing)."""
+    starts = window_starts(end_padded, window)
+    if slots is None:
+        return starts.to(torch.int32)
+    slots = slots.long()
+    return torch.where(slots >= 0, starts[slots.clamp_min(0)], end_padded.shape[0]).to(torch.int32)
+
+
 def tree_block_mask(
-    subtree_end: torch.Tensor, block_size: int | tuple[int, int] = 128, query_slots: torch.Tensor | None = None
+    subtree_end: torch.Tensor,
+    block_size: int | tuple[int, int] = 128,
+    query_slots: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> BlockMask:
     """The :class:`BlockMask` of the tree mask over ``Tp = padded_length(T, block_size)`` slots (built on each call).
 
@@ -224,7 +284,11 @@ def tree_block_mask(
 
     ``query_slots`` int [Tq] (context parallel): the queries are these slots (a rank's share), the
     keys all T slots; the mask is ``[Tqp, Tp]`` with ``Tqp = padded_length(Tq, block_size)``.
+
+    ``window`` (int >= 1, None = none): a sliding window of that many path tokens
+    (:mod:`megatron_tree.core.masks`); blocks before every query's window are skipped.
     """
+    check_window(window)
     end = _check_subtree_end(subtree_end)
     sizes = _block_sizes(block_size)
     tp = padded_length(end.shape[0], sizes)
@@ -233,7 +297,8 @@ def tree_block_mask(
     if query_slots is not None:
         q_len = padded_length(query_slots.numel(), sizes)
         slots = pad_query_slots(query_slots, q_len)
-    partial, full = classify_blocks(end_padded, sizes, slots)
+    starts = None if window is None else row_window_starts(end_padded, window, slots)
+    partial, full = classify_blocks(end_padded, sizes, slots, starts)
     kv_num, kv_idx = _ordered_tables(partial)
     full_num, full_idx = _ordered_tables(full)
     block_mask = BlockMask.from_kv_blocks(
@@ -242,7 +307,7 @@ def tree_block_mask(
         full_num,
         full_idx,
         BLOCK_SIZE=sizes,
-        mask_mod=_interval_mask_mod(end_padded, slots),
+        mask_mod=_interval_mask_mod(end_padded, slots, starts),
         seq_lengths=(q_len, tp),
     )
     return block_mask
@@ -281,20 +346,26 @@ def _check_qkv(
 @dataclass(frozen=True)
 class FlexTreeMask:
     """What :func:`flex_tree_attention` needs for one micro-batch (built once, shared by all layers):
-    ``block_mask`` over the padded lengths, ``num_slots`` T and ``num_queries`` Tq (unpadded)."""
+    ``block_mask`` over the padded lengths, ``num_slots`` T and ``num_queries`` Tq (unpadded), ``window``
+    the sliding window it encodes (None = none)."""
 
     block_mask: BlockMask
     num_slots: int
     num_queries: int
+    window: int | None = None
 
 
 def flex_tree_mask(
-    subtree_end: torch.Tensor, block_size: int | tuple[int, int] = 128, query_slots: torch.Tensor | None = None
+    subtree_end: torch.Tensor,
+    block_size: int | tuple[int, int] = 128,
+    query_slots: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> FlexTreeMask:
-    """:func:`tree_block_mask` with the lengths it was built for (``query_slots``: context parallel, see there)."""
+    """:func:`tree_block_mask` with the lengths it was built for (``query_slots``: context parallel; ``window``:
+    a sliding window; see there)."""
     t = _check_subtree_end(subtree_end).shape[0]
-    return FlexTreeMask(tree_block_mask(subtree_end, block_size, query_slots), t,
-                        t if query_slots is None else query_slots.numel())
+    return FlexTreeMask(tree_block_mask(subtree_end, block_size, query_slots, window), t,
+                        t if query_slots is None else query_slots.numel(), window)
 
 
 def flex_tree_attention(
@@ -357,11 +428,12 @@ def flex_tree_attention(
     return out[:, :, :tq] if pad_q else out
 
 
-def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> FlexTreeMask:
-    """Backend ``prepare``: the micro-batch's :func:`flex_tree_mask` (one per micro-batch, cached by the dispatch)."""
+def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None, window: int | None = None) -> FlexTreeMask:
+    """Backend ``prepare``: the micro-batch's :func:`flex_tree_mask` (one per micro-batch and window, cached by the
+    dispatch)."""
     if subtree_end.shape[0] != 1:
         raise ValueError(f"the flex tree attention backend takes one micro-batch (b = 1), got b = {subtree_end.shape[0]}")
-    return flex_tree_mask(subtree_end, query_slots=query_slots)
+    return flex_tree_mask(subtree_end, query_slots=query_slots, window=window)
 
 
 def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | None:
@@ -372,16 +444,18 @@ def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | Non
         return f"the flex backend takes one micro-batch (b = 1), got b = {batch}"
     if not shape.device.startswith("sm"):
         return f"the flex backend runs on CUDA GPUs (FlexAttention has no backward on {shape.device})"
-    if not PROVEN.proves(shape):
-        return (f"the flex backend is proven exact (forward and backward against the dense reference) {PROVEN.describe()}; "
+    table = PROVEN_WINDOWED if shape.windowed else PROVEN
+    if not table.proves(shape):
+        return (f"the flex backend is proven exact (forward and backward against the dense reference) {table.describe()}; "
                 f"this call is {shape}")
     return None
 
 
 def attend(query, key, value, prepared, *, scale, dropout_p):
     """Backend ``attend``: query ``[1, np, Tq, hn]``, key ``[1, ng, T, hn]``, value ``[1, ng, T, dv]`` -> ``[1, np, Tq, dv]``,
-    on the shapes of :data:`PROVEN` only."""
-    problem = refusal(AttentionShape.of(query, key, value), batch=query.shape[0], dropout_p=dropout_p)
+    on the shapes of :data:`PROVEN` (:data:`PROVEN_WINDOWED` with a sliding window) only."""
+    shape = AttentionShape.of(query, key, value, windowed=prepared.window is not None)
+    problem = refusal(shape, batch=query.shape[0], dropout_p=dropout_p)
     if problem is not None:
         raise ValueError(f"{problem}; use backend='auto' (it picks a backend proven on this call) or 'dense'")
     return flex_tree_attention(query, key, value, prepared, softmax_scale=scale)

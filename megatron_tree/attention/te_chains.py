@@ -29,6 +29,8 @@ dense reference); other calls do not take this path."""
 
 def refusal(shape: AttentionShape, *, dropout_p: float) -> str | None:
     """Why a chain forest of ``shape`` does not go through TE's kernel here, None when it does."""
+    if shape.windowed:  # TE's window_size is not wired or proven here: ``auto`` runs windowed layers elsewhere
+        return "TE's chain path takes no sliding window here"
     if dropout_p:
         return f"TE's chain path takes no attention dropout here (attention_dropout={dropout_p})"
     if not PROVEN.proves(shape):

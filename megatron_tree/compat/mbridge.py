@@ -15,6 +15,7 @@ needs in this process, empty when the installed versions do not have it; applied
 - :func:`deepseek_v3_config` -- DeepSeek-V3's MLA config: a renamed YaRN field, transformers-5 RoPE, expert groups.
 - :func:`deepseek_v3_fp32_weights` -- DeepSeek-V3 checkpoints load in fp32 too.
 - :func:`tied_embedding_mapping_per_bridge` -- a tied-embedding bridge must not rename ``output_layer`` for all others.
+- :func:`hf_sliding_window` -- pass the HF config's sliding window (and which layers have it) to megatron-core.
 
 The class-level swaps last only while the block is open. What a bridge built inside it needs
 later is stored on that bridge and stays for its whole life: the local-spec weight-name
@@ -507,6 +508,87 @@ def tied_embedding_mapping_per_bridge() -> list[AttrPatch]:
     ]
 
 
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+def hf_window_args(hf_config: Any) -> dict[str, Any]:
+    """megatron-core's ``window_size`` / ``window_attn_skip_freq`` equal to a Hugging Face config's sliding window.
+
+    HF: a ``sliding_attention`` layer's query i sees keys j with ``i - sliding_window < j <= i``
+    (``transformers.masking_utils.sliding_window_overlay``); megatron-core's ``window_size=(left, 0)`` sees
+    ``i - left <= j <= i``, so ``left = sliding_window - 1``. Which layers: ``hf_config.layer_types`` where the
+    config has it (transformers >= 5 derives it: Qwen2 / Qwen3 ``i >= max_window_layers``, Qwen2-MoE its own
+    pattern); else every layer (Mixtral, Qwen3-MoE), or, with ``max_window_layers`` (Qwen2 / Qwen3 on older
+    transformers), the layers from it on. ``use_sliding_window=False`` or no ``sliding_window`` (None / 0): no
+    window. Returns ``{}`` without a window, else ``window_size`` and ``window_attn_skip_freq`` (None: every layer;
+    else a list, 1 = windowed, per layer). Layer types other than sliding / full raise ``ValueError``.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return {}
+    layers = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        unknown = sorted(set(types) - {_SLIDING, _FULL})
+        if unknown:
+            raise ValueError(
+                f"{type(hf_config).__name__}.layer_types has {unknown}: megatron-core (and tree attention) build only "
+                f"{_SLIDING!r} and {_FULL!r} layers"
+            )
+        pattern = [t == _SLIDING for t in types]
+    elif getattr(hf_config, "max_window_layers", None) is not None:
+        pattern = [i >= hf_config.max_window_layers for i in range(layers)]
+    else:
+        pattern = [True] * layers
+    if not any(pattern):
+        return {}
+    return dict(window_size=(int(window) - 1, 0), window_attn_skip_freq=None if all(pattern) else [int(p) for p in pattern])
+
+
+def _with_hf_window(bridge: Any, config: Any) -> Any:
+    """``config`` with the HF config's sliding window (:func:`hf_window_args`) unless the caller set one
+    through ``bridge.set_extra_args``."""
+    if "window_size" in bridge.extra_args:
+        return config
+    args = hf_window_args(bridge.hf_config)
+    if not args or all(getattr(config, k) == v for k, v in args.items()):
+        return config
+    return dataclasses.replace(config, **args)
+
+
+def hf_sliding_window() -> list[AttrPatch]:
+    """Give megatron-core the Hugging Face config's sliding window (Qwen2 / Qwen3 ``use_sliding_window``, Mixtral ...).
+
+    Needed by mbridge 0.15.1 (all versions of the other libraries): no LLM bridge reads ``sliding_window``,
+    ``use_sliding_window``, ``max_window_layers`` or ``layer_types``, so a checkpoint with a sliding window
+    builds a megatron-core model with full causal attention in every layer: its log-probs differ from HF's on
+    every sequence longer than the window (tree or not). Sets ``window_size`` / ``window_attn_skip_freq``
+    (:func:`hf_window_args`) on every LLM bridge built inside the block (an ``LLMBridge.__init__`` that calls
+    ``Bridge.__init__``, then fixes ``bridge.config`` and wraps the instance's ``_build_config``, so a later
+    ``set_extra_args`` keeps the window; ``set_extra_args(window_size=...)`` wins). Vision-language bridges
+    (Gemma 3 builds its own windowed layers) are left alone. No-op for checkpoints without a window.
+    """
+    from mbridge.core.llm_bridge import LLMBridge
+    from mbridge.core.vlm_bridge import VLMBridge
+
+    if "__init__" in vars(LLMBridge):
+        raise RuntimeError("mbridge's LLMBridge defines __init__: re-check megatron_tree.compat.mbridge.hf_sliding_window")
+
+    def __init__(self, hf_config, *args, **kwargs):
+        super(LLMBridge, self).__init__(hf_config, *args, **kwargs)  # Bridge.__init__, as patched now
+        if isinstance(self, VLMBridge) or not hf_window_args(self.hf_config):
+            return
+        inner = self._build_config  # bound: the class method, or an instance fix (see _method_fix)
+
+        def _build_config(bridge):
+            return _with_hf_window(bridge, inner())
+
+        self._build_config = types.MethodType(_build_config, self)
+        self.config = _with_hf_window(self, self.config)
+
+    return [AttrPatch(LLMBridge, "__init__", __init__, "mbridge drops the HF config's sliding window")]
+
+
 def compat_patches() -> list[AttrPatch]:
     """The mbridge compatibility patches this process needs (see each function)."""
     return (
@@ -521,4 +603,5 @@ def compat_patches() -> list[AttrPatch]:
         + deepseek_v3_config()
         + deepseek_v3_fp32_weights()
         + tied_embedding_mapping_per_bridge()
+        + hf_sliding_window()
     )

@@ -42,7 +42,7 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
     - the compatibility patches (:func:`megatron_tree.compat.apply_compat_patches`) are active;
     - every decoder block spec a bridge builds goes through :func:`tree_layer_spec`
       (``backend`` names the tree attention backend), which raises for layers it cannot
-      convert (linear or sliding-window attention);
+      convert (linear attention);
     - every model chunk ``get_model`` returns goes through :func:`~megatron_tree.mcore.rope.convert_to_tree_model`.
 
     Class-level changes are reverted on exit. The models built inside keep their tree

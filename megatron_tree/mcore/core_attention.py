@@ -3,7 +3,8 @@
 Shape legend: s = slots, b = batch (1 for a tree micro-batch), np / ng = query / key-value heads per TP
 rank, hn = q / k head dim, hv = value head dim (= hn except under multi-latent attention). The module
 calls :func:`megatron_tree.attention.tree_attention` with the
-backend named in its layer spec (``"auto"`` by default).
+backend named in its layer spec (``"auto"`` by default), and with the layer's sliding window
+(:func:`layer_window`) if it has one.
 """
 
 from __future__ import annotations
@@ -16,18 +17,53 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_tree.attention import get_tree_attention_backend, tree_attention
 from megatron_tree.attention.shapes import AttentionShape, device_generation
 
-__all__ = ["TreeCoreAttention", "TreeCoreAttentionTE", "check_tree_attention_config"]
+__all__ = ["TreeCoreAttention", "TreeCoreAttentionTE", "check_tree_attention_config", "layer_window"]
+
+
+def _window_problem(window_size: Any) -> str | None:
+    """Why megatron-core's ``window_size`` has no tree equivalent, None when it has one."""
+    if window_size is None:
+        return None
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
+        isinstance(w, int) and not isinstance(w, bool) for w in window_size
+    ):
+        return f"window_size={window_size!r} (megatron-core's sliding window is a pair of ints (left, right))"
+    if window_size[1] not in (0, -1):
+        return (f"window_size={tuple(window_size)} (a right window > 0 lets a query see later tokens; tree attention is "
+                f"causal: use (left, 0))")
+    if window_size[0] < -1:
+        return f"window_size={tuple(window_size)} (left must be >= 0, or -1 for no limit)"
+    return None
+
+
+def layer_window(config: TransformerConfig, layer_number: int) -> int | None:
+    """The sliding window of layer ``layer_number`` (1-based, global) in tree terms, None for full attention.
+
+    megatron-core's ``window_size=(left, 0)`` lets query i see keys ``i - left .. i``: ``window = left + 1``
+    path tokens (Hugging Face's ``sliding_window``: ``i - j < window``). ``left = -1`` is no limit. Which
+    layers are windowed follows ``window_attn_skip_freq`` as megatron-core's ``is_layer_window_attention``
+    (an int N: every N-th layer is full; a list: 1 = windowed, per layer).
+    """
+    problem = _window_problem(config.window_size)
+    if problem is not None:
+        raise ValueError(f"tree attention does not support: {problem}")
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    left = config.window_size[0]
+    return None if left < 0 else left + 1
 
 
 def check_tree_attention_config(config: TransformerConfig) -> None:
     """Raise if ``config`` asks for an attention feature tree attention does not implement."""
     problems = []
-    if config.window_size is not None:
-        problems.append(f"window_size={config.window_size} (sliding-window attention)")
+    window_problem = _window_problem(config.window_size)
+    if window_problem is not None:
+        problems.append(window_problem)
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
@@ -36,14 +72,16 @@ def check_tree_attention_config(config: TransformerConfig) -> None:
         raise ValueError("tree attention does not support: " + "; ".join(problems))
 
 
-def _model_attention_shape(config: TransformerConfig) -> AttentionShape:
-    """The :class:`AttentionShape` of a model's attention calls (per TP rank the GQA ratio is the same)."""
+def _model_attention_shape(config: TransformerConfig, windowed: bool = False) -> AttentionShape:
+    """The :class:`AttentionShape` of a model's attention calls (per TP rank the GQA ratio is the same);
+    ``windowed``: the layer's sliding window."""
     dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
     device = device_generation(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if config.multi_latent_attention:  # one key and value per query head; q / k carry the RoPE part too
-        return AttentionShape(config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim, 1, dtype, device)
+        return AttentionShape(config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim, 1, dtype, device,
+                              windowed)
     ratio = config.num_attention_heads // (config.num_query_groups or config.num_attention_heads)
-    return AttentionShape(config.kv_channels, config.kv_channels, ratio, dtype, device)
+    return AttentionShape(config.kv_channels, config.kv_channels, ratio, dtype, device, windowed)
 
 
 class TreeCoreAttention(MegatronModule):
@@ -55,7 +93,9 @@ class TreeCoreAttention(MegatronModule):
     attention_mask int [b, s], *, attn_mask_type, attention_bias=None, packed_seq_params=None)``, returns
     ``[s, b, np * hv]``. Scale: ``softmax_scale`` (multi-latent attention passes its YaRN-scaled one) or
     ``1 / sqrt(kv_channels)``. Attention dropout
-    (``attention_dropout`` or ``config.attention_dropout``) applies in training mode only.
+    (``attention_dropout`` or ``config.attention_dropout``) applies in training mode only. Sliding window:
+    ``self.window`` = :func:`layer_window` (``config.window_size`` / ``window_attn_skip_freq``, this layer), the
+    tree mask limited to the ``window`` path tokens above each query.
 
     ``positions_from_ids`` starts False and the forward refuses to run until it is True:
     upstream RoPE rotates slot i as position i, which is wrong for every branch laid out after a
@@ -90,13 +130,17 @@ class TreeCoreAttention(MegatronModule):
         check_tree_attention_config(config)
         self.backend = get_tree_attention_backend(backend).name
         self.layer_number = layer_number
+        self.window = layer_window(config, layer_number)
         self.softmax_scale = (
             1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if self.backend != "auto":  # a named backend says at build time what its first call would
-            shape = _model_attention_shape(config)
-            reason = get_tree_attention_backend(self.backend).refusal(shape, batch=1, dropout_p=self.dropout_p)
+            shape = _model_attention_shape(config, windowed=self.window is not None)
+            impl = get_tree_attention_backend(self.backend)
+            reason = impl.refusal(shape, batch=1, dropout_p=self.dropout_p)
+            if reason is None and self.window is not None and not impl.windowed:
+                reason = f"the {self.backend} backend takes no sliding window"
             if reason is not None:
                 raise ValueError(
                     f"tree attention backend {self.backend!r} cannot run this model's attention ({shape}): {reason}. "
@@ -170,6 +214,7 @@ class TreeCoreAttention(MegatronModule):
             dropout_p=dropout_p,
             backend=self.backend,
             cp_group=self.cp_group,
+            window=self.window,
         )
 
 

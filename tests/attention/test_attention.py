@@ -165,7 +165,7 @@ def test_low_precision_error_is_a_small_multiple_of_plain_path(dtype, device):
 def test_mask_prepared_once_per_micro_batch_and_shared_by_recompute(monkeypatch):
     calls = []
     real = dense_attention.dense_tree_mask
-    monkeypatch.setattr(dense_attention, "dense_tree_mask", lambda e, q=None: calls.append(1) or real(e, q))
+    monkeypatch.setattr(dense_attention, "dense_tree_mask", lambda e, q=None, w=None: calls.append(1) or real(e, q, w))
     PREPARED_MASKS.clear()
     ends, _ = dfs_layout(FORESTS["branching"])
     mask = ends[None].clone()
@@ -201,9 +201,10 @@ def test_context_parallel_needs_its_group():
         make_core(2, 2, 4, context_parallel_size=2)
 
 
-def test_refuses_sliding_window_and_non_self_attention():
+def test_refuses_right_window_and_non_self_attention():
     with pytest.raises(ValueError, match="window_size"):
-        make_core(2, 2, 4, window_size=(8, 0))
+        make_core(2, 2, 4, window_size=(8, 1))
+    assert make_core(2, 2, 4, window_size=(8, 0)).window == 9  # sliding window: tests/attention/test_sliding_window.py
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     with pytest.raises(ValueError, match="attention_type='cross'"):
         TreeCoreAttention(

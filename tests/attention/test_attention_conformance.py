@@ -95,7 +95,7 @@ def _assert_conforms(rows, backend):
     impl = attention.get_tree_attention_backend(backend)
     for r in rows:  # every refusal is the backend declining the shape, and it never declines what it is proven on
         shape = AttentionShape(r.head_dim, r.v_head_dim, r.gqa_ratio, {"bf16": BF16, "fp16": FP16, "fp32": FP32}[r.dtype],
-                               r.device)
+                               r.device, windowed=r.window is not None)
         assert (r.status == "refused") == (impl.refusal(shape, batch=1, dropout_p=0.0) is not None), r
 
 
@@ -107,6 +107,32 @@ def test_backends_conform_on_cpu(backend):
     _assert_conforms(rows, backend)
     if backend in ("dense", "auto"):
         assert all(r.status == "pass" for r in rows)
+
+
+@pytest.mark.skipif(GPU, reason="the CPU grid; on a GPU the windowed grid below runs")
+@pytest.mark.parametrize("backend", ["dense", "auto", "flex", "fa4"])
+def test_backends_conform_on_cpu_with_a_window(backend):
+    rows = run_conformance([backend], head_dims=[(64, 64)], gqa_ratios=[1, 4], dtypes=["bf16", "fp32"],
+                           modes=["routed"], max_tokens=300, device="cpu", window=7)
+    assert rows and all(r.window == 7 for r in rows)
+    _assert_conforms(rows, backend)
+    assert all(r.status == ("pass" if backend in ("dense", "auto") else "refused") for r in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [5, 200])
+def test_flex_windowed_kernel_conforms_on_gpu(window):
+    """The windowed flex kernel itself (raw) on the grid's proven flex shapes, routed rows pass or are refused, auto
+    runs every windowed call: the raw rows passing is the evidence for ``flex.PROVEN_WINDOWED``; FA4 refuses windows."""
+    rows = run_conformance(["flex", "fa4", "auto"], head_dims=[(64, 64), (128, 128)], gqa_ratios=[1, 2, 4],
+                           dtypes=["bf16", "fp32"], trees=["multi_turn", "grpo_query_slots"], device="cuda", window=window)
+    for backend in ("flex", "fa4", "auto"):
+        _assert_conforms([r for r in rows if r.backend == backend and r.mode == "routed"], backend)
+    assert all(r.status == "pass" for r in rows if r.backend == "auto")
+    raw = [r for r in rows if r.backend == "flex" and r.mode == "raw" and (r.dtype == "bf16" or r.head_dim == 64)]
+    assert raw and all(r.status == "pass" for r in raw), [r for r in raw if r.status != "pass"]
+    assert all(r.status != "pass" for r in rows if r.backend == "fa4")
 
 
 @pytest.mark.gpu

@@ -78,7 +78,8 @@ def test_refuses_non_self_attention_layers():
 def test_refuses_unconvertible_configs():
     spec = get_gpt_layer_local_spec()
     with pytest.raises(ValueError, match="window_size"):
-        tree_layer_spec(spec, config=config(window_size=(4, 0)))
+        tree_layer_spec(spec, config=config(window_size=(4, 1)))  # a right window; (4, 0) is a sliding window
+    tree_layer_spec(spec, config=config(window_size=(4, 0)))
     with pytest.raises(ValueError, match="unknown tree attention backend"):
         tree_layer_spec(spec, backend="nope")
 

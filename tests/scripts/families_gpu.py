@@ -2,6 +2,7 @@
 and parameter gradients (full recompute) vs the upstream model run per sequence.
 
 Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/families_gpu.py WORK_DIR [--no-te] [ARCH ...]
+(ARCH: TINY_ARCHS and the sliding-window cases of parity_common.SLIDING_WINDOW_CASES, all by default)
 (``tests/mcore/test_families_gpu.py`` runs it both ways). With Transformer Engine importable the
 models are built on the TE spec (mbridge builds it whenever TE runs); ``--no-te`` hides TE from
 this process first (megatron-core's local spec on the GPU). Hugging Face runs on the CPU in fp32.
@@ -20,6 +21,7 @@ if "--no-te" in sys.argv:  # before megatron-core looks for TE: its imports then
 
 import torch  # noqa: E402
 from scripts.parity_common import (  # noqa: E402
+    SLIDING_WINDOW_CASES,
     branching_forest,
     build_model,
     flat_logprobs,
@@ -40,8 +42,10 @@ TOL = 1e-5
 
 
 def check(arch: str, work_dir: str) -> tuple[float, float]:
-    """(max |tree - HF| log-prob, relative gradient error tree vs per-sequence upstream) for one family."""
-    path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, arch))
+    """(max |tree - HF| log-prob, relative gradient error tree vs per-sequence upstream) for one family (an arch of
+    ``TINY_ARCHS`` or a sliding-window case of ``SLIDING_WINDOW_CASES``)."""
+    base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))
+    path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, arch), **overrides)
     seqs = branching_forest()
     mbs = micro_batches(seqs)
     tree = build_model(path, tree=True, recompute="full")[0]
@@ -70,7 +74,7 @@ def main(argv: list[str]) -> int:
     failed = 0
     with apply_compat_patches():
         init_cpu_distributed(tp=1)
-        for arch in archs or TINY_ARCHS:
+        for arch in archs or (*TINY_ARCHS, *SLIDING_WINDOW_CASES):
             try:
                 lp, grad = check(arch, work_dir)
                 ok = lp < TOL and grad < TOL

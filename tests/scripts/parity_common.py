@@ -18,6 +18,15 @@ from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logp
 
 VOCAB = 160  # save_tiny_hf_checkpoint's vocabulary
 
+SLIDING_WINDOW_CASES = {
+    # Qwen2: layer 0 full, layer 1 sliding (transformers 5: layer i slides iff i >= max_window_layers)
+    "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "qwen3_swa": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)),  # every layer
+    "mixtral_swa": ("mixtral", dict(sliding_window=4)),  # every layer
+}
+"""Tiny sliding-window families: name -> (``save_tiny_hf_checkpoint`` arch, HF config overrides). The windows are
+shorter than :func:`branching_forest`'s branches (up to 12 tokens after the prompt)."""
+
 
 def branching_forest(seed: int = 0) -> list[list[int]]:
     """Two prompts, each with a short branch that sorts (and is laid out) first, then long ones.

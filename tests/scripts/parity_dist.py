@@ -3,7 +3,8 @@
 Run: torchrun --standalone --nproc-per-node 2 tests/scripts/parity_dist.py WORK_DIR CASE...
 with CASE = ``tp<N>:<arch>:<mode>`` or ``ep<N>:<arch>:<mode>``, mode ``full`` / ``selective``
 (recompute granularity of the gradient check) or ``forward`` (log-probs only), e.g.
-``tp2:qwen3:full ep2:qwen3_moe:forward``. For each case every rank builds the tree model (under
+``tp2:qwen3:full ep2:qwen3_moe:forward`` (``<arch>``: a tiny arch or a sliding-window case of
+``parity_common.SLIDING_WINDOW_CASES``, e.g. ``tp2:qwen2_swa:full``). For each case every rank builds the tree model (under
 patch_bridge_for_tree_training) at that parallel size and checks, on a branching forest, tree
 log-probs vs Hugging Face per sequence (< 1e-5); unless ``forward``, it also builds the upstream
 model and checks this rank's parameter gradients of a weighted log-prob sum vs that model run
@@ -24,6 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 from scripts.parity_common import (
+    SLIDING_WINDOW_CASES,
     branching_forest,
     build_model,
     flat_logprobs,
@@ -51,7 +53,8 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
     kind, arch, recompute = case.split(":")
     size = int(kind[2:])
     init_cpu_distributed(**{kind[:2]: size})
-    path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, f"{kind}_{arch}"))
+    base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))  # e.g. qwen2_swa: Qwen2 with a sliding window
+    path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, f"{kind}_{arch}"), **overrides)
     seqs = branching_forest()
     mbs = micro_batches(seqs)
     if recompute == "forward":
