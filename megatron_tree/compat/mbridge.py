@@ -571,11 +571,13 @@ def hf_sliding_window() -> list[AttrPatch]:
     from mbridge.core.llm_bridge import LLMBridge
     from mbridge.core.vlm_bridge import VLMBridge
 
-    if "__init__" in vars(LLMBridge):
-        raise RuntimeError("mbridge's LLMBridge defines __init__: re-check megatron_tree.compat.mbridge.hf_sliding_window")
+    own_init = vars(LLMBridge).get("__init__")  # None in 0.15.1: Bridge.__init__ runs
 
     def __init__(self, hf_config, *args, **kwargs):
-        super(LLMBridge, self).__init__(hf_config, *args, **kwargs)  # Bridge.__init__, as patched now
+        if own_init is not None:
+            own_init(self, hf_config, *args, **kwargs)
+        else:
+            super(LLMBridge, self).__init__(hf_config, *args, **kwargs)  # Bridge.__init__, as patched now
         if isinstance(self, VLMBridge) or not hf_window_args(self.hf_config):
             return
         inner = self._build_config  # bound: the class method, or an instance fix (see _method_fix)
