@@ -429,6 +429,10 @@ class RunConfig:
                              f"({decay}: optimizer.lr_decay_iters, else train.steps)")
         if opt.min_lr > self.train.lr:
             raise ValueError(f"optimizer.min_lr={opt.min_lr} is above train.lr={self.train.lr}, the peak lr")
+        if self.parallel.use_distributed_optimizer and opt.optimizer != "adam":
+            raise ValueError(f"parallel.use_distributed_optimizer shards Adam's state only (megatron-core's "
+                             f"DistributedOptimizer saves and restores exp_avg / exp_avg_sq), not optimizer.optimizer="
+                             f"{opt.optimizer}; pass --optimizer adam or drop --use-distributed-optimizer")
         if self.checkpoint.export_hf and self.model.random_init:
             raise ValueError("checkpoint.export_hf needs a model built from Hugging Face weights; model.random_init "
                              "models have none to map onto (set random_init: false)")
