@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["check_optimizer_fits", "configure_grad_sync", "ddp_config", "sync_params"]
+__all__ = ["check_optimizer_fits", "configure_grad_sync", "ddp_config", "describe", "sync_params"]
 
 _log = logging.getLogger(__name__)
 
@@ -117,3 +117,23 @@ def sync_params(chunks: Sequence[torch.nn.Module]) -> None:
     for chunk, config in zip(chunks, _ddp_configs(chunks)):
         if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
             chunk.start_param_sync(force_sync=True)
+
+
+def describe(chunks: Sequence[torch.nn.Module]) -> str | None:
+    """One line on how the DDP chunks reduce gradients and gather weights (None for plain all-reduce)."""
+    configs = [c for c in _ddp_configs(chunks) if c is not None]
+    if not configs or not any(c.use_distributed_optimizer or c.overlap_grad_reduce for c in configs):
+        return None
+    from megatron.core import parallel_state
+
+    c = configs[0]
+    buckets = sum(len(buffer.buckets) for chunk in chunks for buffer in getattr(chunk, "buffers", []))
+    parts = []
+    if c.use_distributed_optimizer:
+        parts.append(f"distributed optimizer (state sharded over {parallel_state.get_data_parallel_world_size()} "
+                     f"data-parallel rank(s))")
+    if c.overlap_grad_reduce:
+        parts.append(f"gradient reduction overlapped with the backward in {buckets} bucket(s)")
+    if c.overlap_param_gather:
+        parts.append("weight all-gather overlapped with the next forward")
+    return "data parallel: " + ", ".join(parts)

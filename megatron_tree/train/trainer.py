@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tree import BalanceStats, MicroBatchSpec, PackingStats, balance_across_ranks, pack_trees
-from megatron_tree.mcore.data_parallel import sync_params
+from megatron_tree.mcore.data_parallel import describe, sync_params
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
 from megatron_tree.train.config import ParallelConfig, RunConfig, TrainConfig
@@ -399,6 +399,8 @@ class Trainer:
 
             report = verify_tree_model(self.model)  # raises when the tree path is not exact
             self._info(f"verify_tree_model: {report}")
+        if describe(self.model):
+            self._info(describe(self.model))
         self.vocab = self.bridge.hf_config.vocab_size
         p, mb = cfg.parallel, cfg.micro_batch
         divisor = (self.model[0].config.microbatch_group_size_per_vp_stage or p.pp) if p.vpp else 1
