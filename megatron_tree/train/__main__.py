@@ -176,6 +176,9 @@ def _quiet_known_warnings() -> None:
     # megatron-core's DDP and distributed optimizer call these (torch >= 2.10 renamed them), once per bucket and step
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
                             r"is deprecated", category=FutureWarning)
+    # megatron-core's DistributedOptimizer.zero_grad reads .grad of its shard views (a comment there says so)
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor",
+                            category=UserWarning)
 
 
 def report_error(line: str) -> None:
