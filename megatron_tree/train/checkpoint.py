@@ -99,6 +99,10 @@ def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict |
         state["critic"] = {str(i): chunk.sharded_state_dict(prefix="critic.") for i, chunk in enumerate(unwrap_model(chunks))}
         state["critic_optimizer"] = critic_optimizer.sharded_state_dict(
             {"critic": state["critic"]}, is_loading=is_loading, **_optimizer_layout(critic_optimizer))
+        if is_distributed_optimizer(critic_optimizer):  # its per-bucket keys are the actor optimizer's otherwise
+            from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+            add_prefix_for_sharding(state["critic_optimizer"], "critic.")
     rank, world = dist.get_rank(), dist.get_world_size()
     state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
     return state
