@@ -202,9 +202,11 @@ def loss_and_grad_norm(losses: list[dict], chunks: list[torch.nn.Module], device
     """``(loss, loss tokens, gradient norm)`` of one model over the whole job, after its backward and before
     its optimizer step, in one all-reduce. The loss: the sum over Megatron's per-micro-batch loss dicts
     ``losses`` (filled on last pipeline stages, once per TP and CP rank) / their count. The norm: L2 over
-    every rank's DDP gradient buffers of ``chunks`` (after the data-parallel reduction); it counts each
-    data-parallel replica and tensor-parallel copy, so it is for the finiteness check only: NaN / inf
-    exactly when a gradient is (or the squares overflow, as in the optimizer's norm). Records log the
+    every rank's DDP gradient buffers of ``chunks`` (after the data-parallel reduction; with the distributed
+    optimizer a rank's buffer is reduced on its own shard only, the rest holds its local gradient, which a
+    NaN / inf passes through to the shard it is reduced into); it counts each data-parallel replica and
+    tensor-parallel copy, so it is for the finiteness check only: NaN / inf exactly when a gradient is (or
+    the squares overflow, as in the optimizer's norm). Records log the
     optimizer's norm."""
     from megatron.core import parallel_state as ps
 
