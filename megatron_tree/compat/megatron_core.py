@@ -42,11 +42,17 @@ def torch_optimizers_without_cuda() -> list[AttrPatch]:
 
     if torch.cuda.is_available() or getattr(optimizer, "USING_PYTORCH_OPTIMIZER", True):
         return []
+    from megatron.core.optimizer import distrib_optimizer
+
     why = "no CUDA: torch optimizers, not TE's / Apex's fused ones"
     return [
         AttrPatch(optimizer, "USING_PYTORCH_OPTIMIZER", True, why),
         AttrPatch(optimizer, "Adam", torch.optim.AdamW, why),
         AttrPatch(optimizer, "SGD", torch.optim.SGD, why),
+        # the distributed optimizer's state (de)serialisation follows the optimizer it wraps: torch's
+        *(AttrPatch(distrib_optimizer, name, value, why)
+          for name, value in (("HAVE_APEX_OR_TE", False), ("USING_TE_OPTIMIZER", False),
+                              ("USING_APEX_OPTIMIZER", False)) if hasattr(distrib_optimizer, name)),
     ]
 
 
@@ -93,6 +99,61 @@ def mla_without_transformer_engine() -> list[AttrPatch]:
     if isinstance(multi_latent_attention.TELinear, type) or not multi_latent_attention.HAVE_TE:
         return []
     return [AttrPatch(multi_latent_attention, "HAVE_TE", False, "TE absent: megatron-core's MLA imports mocks")]
+
+
+def _torch_distributed_optimizers(optimizer) -> list:
+    """The ``DistributedOptimizer`` s in ``optimizer`` (chained or not) that wrap a torch optimizer (no Apex /
+    Transformer Engine: megatron-core keeps Adam's ``step`` per parameter then); empty elsewhere."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return []
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(o, distrib_optimizer.DistributedOptimizer)]
+
+
+def distributed_optimizer_state_for_load(optimizer) -> None:
+    """Give a distributed optimizer that has taken no step yet its torch Adam state (zero moments, ``step`` 0), so
+    that its loading state dict can be built.
+
+    Needed by megatron-core 0.16 - 0.20 without Apex / Transformer Engine: ``DistributedOptimizer.state_dict()``
+    (which ``sharded_state_dict(is_loading=True)`` calls) asserts one ``step`` over the wrapped torch optimizer's
+    per-parameter states, of which a fresh optimizer (a resumed run) has none. Call before building the state dict
+    to load; the checkpoint's values replace these. No-op elsewhere, and on an optimizer that has state.
+    """
+    import torch
+
+    for opt in _torch_distributed_optimizers(optimizer):
+        inner = opt.optimizer
+        if len(inner.state) or opt.init_state_fn is None:
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def distributed_optimizer_restore_steps(optimizer) -> None:
+    """Give each parameter's torch Adam state its own ``step`` tensor, of the value the checkpoint saved, after a
+    distributed optimizer's ``load_state_dict``.
+
+    Needed by megatron-core 0.16 - 0.20 without Apex / Transformer Engine: ``DistributedOptimizer.load_state_dict``
+    puts one ``step`` tensor into every parameter's state (torch's Adam increments each parameter's step in place,
+    so a shared one would advance once per parameter per update), then its ``dp_reshardable`` parameter-state load
+    copies the not-saved per-parameter ``step`` of the state it loaded into (0 on a fresh optimizer) over it. The
+    saved step survives in each param group's ``step`` (megatron-core writes it there for torch optimizers).
+    No-op elsewhere.
+    """
+    import torch
+
+    for opt in _torch_distributed_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                if "step" in inner.state.get(param, {}):
+                    inner.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
 def forget_checkpoint_writer_queue() -> None:

@@ -32,7 +32,9 @@ only in ``config.finalize_model_grads_func`` (megatron-core's ``finalize_model_g
 which Megatron's training loop sets), on a model wrapped in its ``DistributedDataParallel``.
 :func:`tree_forward_backward` sets it when it is unset and the model is so wrapped (it never
 replaces a function the user set), and refuses to train an unwrapped model without one:
-the gradients would be sums, never divided.
+the gradients would be sums, never divided. On a DDP model that overlaps its gradient reduction it also sets
+``config.no_sync_func`` / ``grad_sync_func`` when unset (:func:`~megatron_tree.mcore.data_parallel.configure_grad_sync`:
+only the last micro-batch's backward starts the reduction, whatever the number of tree micro-batches).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from megatron_tree.core.context_parallel import (
 )
 from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
 from megatron_tree.core.microbatch import TreeMicroBatch
+from megatron_tree.mcore.data_parallel import configure_grad_sync
 from megatron_tree.mcore.packed_seq import thd_packed_seq_params
 from megatron_tree.mcore.model_check import check_tree_model
 from megatron_tree.mcore.router_stats import tree_padding_mask
@@ -490,6 +493,7 @@ def _run_schedule(
         )
     if not forward_only:
         _finalize_grads_for_training(chunks, config)
+        configure_grad_sync(chunks)  # overlap_grad_reduce: DDP's no_sync for all but the last micro-batch
     if chunks[0] not in _ANNOUNCED:
         _ANNOUNCED.add(chunks[0])
         _log.info("model parameters are %s (log-probs in fp32 from the logits)", next(chunks[0].parameters()).dtype)

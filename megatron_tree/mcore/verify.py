@@ -196,8 +196,11 @@ def _gradients(chunks, mbs, weights: dict[int, torch.Tensor]) -> dict[str, torch
         return (logprobs * w).sum(), logprobs.numel()
 
     _zero_gradients(chunks)
-    saved = config.finalize_model_grads_func
+    saved = config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func
     config.finalize_model_grads_func = lambda *args, **kwargs: None  # keep the local sums
+    # the no_sync() below holds for every micro-batch: an overlapping DDP neither starts a reduction nor counts this
+    # backward's gradients as a training step's (it learns from the first step when a bucket is complete)
+    config.no_sync_func, config.grad_sync_func = contextlib.nullcontext, None
     try:
         with contextlib.ExitStack() as stack:
             for chunk in chunks:  # Megatron's DDP reduces nothing inside no_sync()
@@ -205,7 +208,7 @@ def _gradients(chunks, mbs, weights: dict[int, torch.Tensor]) -> dict[str, torch
                     stack.enter_context(chunk.no_sync())
             tree_forward_backward(chunks if len(chunks) > 1 else chunks[0], mbs, weighted)
     finally:
-        config.finalize_model_grads_func = saved
+        config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func = saved
     grads = {}
     for i, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():

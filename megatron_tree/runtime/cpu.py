@@ -159,8 +159,45 @@ def cpu_gradient_clipping() -> list[AttrPatch]:
     return patches
 
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+class _CudaTypeNamesMode(TorchFunctionMode):
+    """``Tensor.type()`` (no argument: the name) of a CPU float tensor gives the CUDA tensor type's name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE_NAMES.get(result, result)
+        return result
+
+
+def cpu_distributed_optimizer() -> list[AttrPatch]:
+    """megatron-core's ``DistributedOptimizer`` over CPU parameters (no CUDA only).
+
+    Needed on machines without CUDA, megatron-core 0.16 - 0.20 at least: ``DistributedOptimizer.
+    _build_model_and_main_param_groups`` sorts the parameters by ``param.type()`` and refuses any but
+    ``torch.cuda.{Float,Half,BFloat16}Tensor``. Runs it with ``Tensor.type()`` naming CPU float tensors as
+    their CUDA types, inside that call only (everything else it does works on CPU tensors).
+    """
+    if torch.cuda.is_available():
+        return []
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    name = "_build_model_and_main_param_groups"
+    original = vars(DistributedOptimizer)[name].__func__  # a classmethod
+
+    def build_groups(cls, *args, **kwargs):
+        with _CudaTypeNamesMode():
+            return original(cls, *args, **kwargs)
+
+    return [AttrPatch(DistributedOptimizer, name, classmethod(build_groups),
+                      "no CUDA: DistributedOptimizer accepts only torch.cuda.* parameter types")]
+
+
 def _cpu_shim_patches() -> list[AttrPatch]:
-    return _torch_cpu_patches() + cpu_rng_state() + cpu_gradient_clipping()
+    return _torch_cpu_patches() + cpu_rng_state() + cpu_gradient_clipping() + cpu_distributed_optimizer()
 
 
 _CPU_SCOPE = PatchScope(_cpu_shim_patches)
@@ -175,7 +212,7 @@ def cpu_mode() -> Iterator[None]:
     ``torch.cuda.random``) -> the CPU generator; ``nn.Module.cuda`` and ``Tensor.cuda`` ->
     identity; megatron-core's ``tensor_parallel.random._get_cuda_rng_state /
     _set_cuda_rng_state`` -> the CPU generator (:func:`cpu_rng_state`); its gradient clipping -> the CPU
-    (:func:`cpu_gradient_clipping`);
+    (:func:`cpu_gradient_clipping`); its ``DistributedOptimizer`` over CPU parameters (:func:`cpu_distributed_optimizer`);
     and, through a ``TorchFunctionMode`` active in this thread, CUDA devices in
     ``device=`` keywords and ``Tensor.to(device)`` -> ``"cpu"``. The mode is thread-local:
     code run by other threads inside the block sees no device rewriting.

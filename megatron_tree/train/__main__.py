@@ -36,6 +36,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--ep": ("parallel.ep", {}),
     "--cp": ("parallel.cp", {}),
     "--distributed-timeout-minutes": ("parallel.distributed_timeout_minutes", {"metavar": "MIN"}),
+    "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", {}),
+    "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", {}),
+    "--overlap-param-gather": ("parallel.overlap_param_gather", {}),
+    "--ddp-bucket-size": ("parallel.ddp_bucket_size", {}),
     "--max-tokens-per-mb": ("micro_batch.max_tokens_per_mb", {}),
     "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": list(PACKING_ALGORITHMS)}),
     "--data-path": ("data.path", {"metavar": "FILE"}),
@@ -166,8 +170,15 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _quiet_known_warnings() -> None:
-    """Drop import-time notices about optional kernels (Apex, Transformer Engine) that every CPU run prints."""
+    """Drop import-time notices about optional kernels (Apex, Transformer Engine) that every CPU run prints, and
+    torch's renaming notices for the collectives megatron-core's distributed optimizer calls."""
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+    # megatron-core's DDP and distributed optimizer call these (torch >= 2.10 renamed them), once per bucket and step
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                            r"is deprecated", category=FutureWarning)
+    # megatron-core's DistributedOptimizer.zero_grad reads .grad of its shard views (a comment there says so)
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor",
+                            category=UserWarning)
 
 
 def report_error(line: str) -> None:

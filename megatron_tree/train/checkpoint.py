@@ -5,13 +5,14 @@ Layout, as Megatron-LM's: ``ROOT/iter_0000004/`` (one dist checkpoint per save) 
 
 - ``model`` (``model0``, ``model1``, ... under virtual pipeline): every chunk's sharded state
   (of the ``GPTModel`` inside the DDP / Float16Module wrappers);
-- ``optimizer``: Megatron's optimizer state sharded like the parameters (Adam moments, step);
+- ``optimizer``: Megatron's optimizer state sharded like the parameters (Adam moments, step; the distributed
+  optimizer's per bucket shard, :func:`_optimizer_layout`);
 - ``critic``, ``critic_optimizer`` (``train.loss: ppo``): the critic's chunks (keys prefixed ``critic.``)
   and its optimizer's state (the reference and reward models are rebuilt as the run starts);
 - ``rng_state``: Python, NumPy, torch (CPU and CUDA) and Megatron's model-parallel RNG
   tracker, one object per rank (restored when the world size is the same);
-- ``iteration``, ``data`` (the rollout source's position) and ``world_size``: plain values
-  in ``common.pt``;
+- ``iteration``, ``data`` (the rollout source's position), ``world_size`` and ``distributed_optimizer``
+  (a run resumes with the optimizer kind it saved): plain values in ``common.pt``;
 
 and beside them ``checksums.json``: the size and SHA-256 of every file of the checkpoint, written before it is
 renamed into place and verified at load (:func:`write_checksums`, :func:`verify_checksums`).
@@ -32,6 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_tree.compat.megatron_core import distributed_optimizer_state_for_load, distributed_optimizer_restore_steps
+from megatron_tree.mcore.data_parallel import sync_params
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKSUMS_FILE = "checksums.json"
@@ -64,6 +68,24 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def is_distributed_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` (megatron-core's, chained or not) is the distributed optimizer (state sharded over
+    data-parallel ranks)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_layout(optimizer) -> dict[str, Any]:
+    """``sharded_state_dict`` keywords of ``optimizer``: the distributed optimizer's state in Megatron-LM's default
+    layout, ``dp_reshardable`` (each rank writes its own shard of every bucket, no communication; a resume needs the
+    same buckets: ``--ddp-bucket-size`` and the tensor / pipeline layout, the data-parallel size may change;
+    megatron-core's own default, ``fully_sharded_model_space``, no longer saves); nothing for other optimizers."""
+    if not is_distributed_optimizer(optimizer):
+        return {}
+    return {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+
+
 def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict | None, critic=None) -> dict[str, Any]:
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.utils import unwrap_model
@@ -71,11 +93,16 @@ def _sharded_state_dict(model: list, optimizer, *, is_loading: bool, rng: dict |
     state: dict[str, Any] = {}
     for i, chunk in enumerate(unwrap_model(model)):
         state["model" if len(model) == 1 else f"model{i}"] = chunk.sharded_state_dict()
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, **_optimizer_layout(optimizer))
     if critic is not None:
         chunks, critic_optimizer = critic
         state["critic"] = {str(i): chunk.sharded_state_dict(prefix="critic.") for i, chunk in enumerate(unwrap_model(chunks))}
-        state["critic_optimizer"] = critic_optimizer.sharded_state_dict({"critic": state["critic"]}, is_loading=is_loading)
+        state["critic_optimizer"] = critic_optimizer.sharded_state_dict(
+            {"critic": state["critic"]}, is_loading=is_loading, **_optimizer_layout(critic_optimizer))
+        if is_distributed_optimizer(critic_optimizer):  # its per-bucket keys are the actor optimizer's otherwise
+            from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+            add_prefix_for_sharding(state["critic_optimizer"], "critic.")
     rank, world = dist.get_rank(), dist.get_world_size()
     state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
     return state
@@ -103,9 +130,12 @@ def save_checkpoint(root: str, iteration: int, model: list, optimizer, *, data: 
             shutil.rmtree(staging)
         os.makedirs(staging)
     dist.barrier()
+    sync_params(model)  # weights the distributed optimizer updated in shards, where their all-gather is deferred
+    if critic is not None:
+        sync_params(critic[0])
     state = _sharded_state_dict(model, optimizer, is_loading=False, rng=_rng_state(), critic=critic)
     state.update(iteration=iteration, data=data, world_size=dist.get_world_size(), model_config=model_signature(model),
-                 has_critic=critic is not None)
+                 has_critic=critic is not None, distributed_optimizer=is_distributed_optimizer(optimizer))
     if scheduler is not None:
         state.update(opt_param_scheduler=scheduler.state_dict())
     dist_checkpointing.save(state, staging)
@@ -361,6 +391,15 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None, critic=No
         raise ValueError(f"--load {path}: the checkpoint {'holds a' if common.get('has_critic') else 'holds no'} PPO "
                          f"critic, but this run {'trains one' if critic is not None else 'does not'}; resume with "
                          f"the --loss it was saved with")
+    saved, mine = common.get("distributed_optimizer", False), is_distributed_optimizer(optimizer)
+    if saved != mine:
+        raise ValueError(f"--load {path}: the checkpoint holds {'the distributed' if saved else 'a whole-model'} "
+                         f"optimizer's state (saved {'with' if saved else 'without'} --use-distributed-optimizer), "
+                         f"this run {'shards' if mine else 'does not shard'} it; resume "
+                         f"{'with' if saved else 'without'} --use-distributed-optimizer")
+    optimizers = [optimizer] + ([critic[1]] if critic is not None else [])
+    for opt in optimizers:
+        distributed_optimizer_state_for_load(opt)
     state = _sharded_state_dict(model, optimizer, is_loading=True, rng=None, critic=critic)
     saved = common.get("model_config")
     if saved is not None:  # checkpoints written before the signature was saved hold none
@@ -382,11 +421,15 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None, critic=No
                              f"of it is damaged") from None
     for i, chunk in enumerate(unwrap_model(model)):
         _load_model_state(chunk, loaded["model" if len(model) == 1 else f"model{i}"], path)
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies fp32 weights into views of the parameters
+        optimizer.load_state_dict(loaded["optimizer"])
     if critic is not None:
         for i, chunk in enumerate(unwrap_model(critic[0])):
             _load_model_state(chunk, {k.removeprefix("critic."): v for k, v in loaded["critic"][str(i)].items()}, path)
-        critic[1].load_state_dict(loaded["critic_optimizer"])
+        with torch.no_grad():
+            critic[1].load_state_dict(loaded["critic_optimizer"])
+    for opt in optimizers:
+        distributed_optimizer_restore_steps(opt)
     if scheduler is not None and "opt_param_scheduler" in common:
         saved = common["opt_param_scheduler"]
         try:

@@ -3,7 +3,8 @@
 A config file has up to eight sections; every key is optional::
 
     model:       {hf_path: /path/to/hf}  or  {arch: qwen3, hf_overrides: {hidden_size: 64, ...}, random_init: false}
-    parallel:    {tp: 1, pp: 1, vpp: null, ep: 1, cp: 1}     # dp = world / (tp * pp * cp)
+    parallel:    {tp: 1, pp: 1, vpp: null, ep: 1, cp: 1,     # dp = world / (tp * pp * cp)
+                  use_distributed_optimizer: false, overlap_grad_reduce: false, overlap_param_gather: false}
     micro_batch: {max_tokens_per_mb: 1024, ...}              # MicroBatchSpec fields
     data:        {path: rollouts.jsonl | .parquet}  or  {workload: grpo | multi_turn, batch_size: ..., ...}
     train:       {steps: 5, lr: 1.0e-3, seed: 0, loss: sft | grpo, ...}
@@ -217,6 +218,15 @@ class ParallelConfig(_Section):
                         "docs/results.md says when)")
     distributed_timeout_minutes: float = _field(10.0, "a collective that waits longer fails and ends the job (a hung "
                                                 "or dead rank), as Megatron-LM's --distributed-timeout-minutes")
+    use_distributed_optimizer: bool = _field(False, "shard the optimizer state over data-parallel ranks (megatron-core's "
+                                             "DistributedOptimizer, ZeRO-1): gradients reduce-scattered, each rank "
+                                             "updates its shard, the weights all-gathered")
+    overlap_grad_reduce: bool = _field(False, "reduce the gradients bucket by bucket as the last micro-batch's "
+                                       "backward produces them (megatron-core's DDP, asynchronous collectives)")
+    overlap_param_gather: bool = _field(False, "with use_distributed_optimizer and overlap_grad_reduce: all-gather "
+                                        "the updated weights bucket by bucket during the next forward")
+    ddp_bucket_size: int | None = _field(None, "with overlap_grad_reduce: parameters per gradient bucket (null: "
+                                         "max(40M, 1M * data-parallel size), Megatron-LM's default)")
 
     def _check(self) -> None:
         for key in ("tp", "pp", "ep", "cp"):
@@ -224,6 +234,19 @@ class ParallelConfig(_Section):
         self._need(0 < self.distributed_timeout_minutes < 1e6, "distributed_timeout_minutes", "a number of minutes > 0")
         self._need(self.vpp is None or (self.vpp >= 2 and self.pp >= 2), "vpp",
                    f"null or an int >= 2 with pp >= 2 (pp={self.pp})")
+        self._need(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1, "ddp_bucket_size", "null or an int >= 1")
+        # Megatron-LM's own checks (megatron/training/arguments.py), one line each
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("parallel.overlap_param_gather all-gathers the weights the distributed optimizer updated "
+                             "in shards; it needs parallel.use_distributed_optimizer (add --use-distributed-optimizer "
+                             "or drop --overlap-param-gather)")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("parallel.overlap_param_gather needs parallel.overlap_grad_reduce, as in Megatron-LM (add "
+                             "--overlap-grad-reduce or drop --overlap-param-gather)")
+        if self.ddp_bucket_size is not None and not self.overlap_grad_reduce:
+            raise ValueError(f"parallel.ddp_bucket_size={self.ddp_bucket_size} sizes the buckets of an overlapped "
+                             f"gradient reduction; without parallel.overlap_grad_reduce the gradients go in one "
+                             f"bucket (add --overlap-grad-reduce or drop --ddp-bucket-size)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,6 +429,10 @@ class RunConfig:
                              f"({decay}: optimizer.lr_decay_iters, else train.steps)")
         if opt.min_lr > self.train.lr:
             raise ValueError(f"optimizer.min_lr={opt.min_lr} is above train.lr={self.train.lr}, the peak lr")
+        if self.parallel.use_distributed_optimizer and opt.optimizer != "adam":
+            raise ValueError(f"parallel.use_distributed_optimizer shards Adam's state only (megatron-core's "
+                             f"DistributedOptimizer saves and restores exp_avg / exp_avg_sq), not optimizer.optimizer="
+                             f"{opt.optimizer}; pass --optimizer adam or drop --use-distributed-optimizer")
         if self.checkpoint.export_hf and self.model.random_init:
             raise ValueError("checkpoint.export_hf needs a model built from Hugging Face weights; model.random_init "
                              "models have none to map onto (set random_init: false)")

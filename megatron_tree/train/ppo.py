@@ -54,7 +54,9 @@ def build_ppo_models(
 
     t = cfg.train
     common = dict(tree=tree, backend=t.attention_backend, bf16=t.bf16, recompute=t.recompute)
-    ddp = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+    from megatron_tree.train.trainer import make_ddp_config
+
+    ddp = make_ddp_config(cfg.parallel)  # the actor's: distributed optimizer, overlapped communication
     _, reference = build_model(path, load_weights=False, wrap_with_ddp=False, **common)
     with torch.no_grad():
         for ref_chunk, chunk in zip(reference, actor):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tree import BalanceStats, MicroBatchSpec, PackingStats, balance_across_ranks, pack_trees
+from megatron_tree.mcore.data_parallel import describe, sync_params
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
 from megatron_tree.train.config import ParallelConfig, RunConfig, TrainConfig
@@ -78,7 +79,8 @@ def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
-    """``(model chunks, optimizer, bridge)``: tree model (DDP-wrapped) and Megatron's Adam."""
+    """``(model chunks, optimizer, bridge)``: tree model (wrapped in megatron-core's DDP as ``parallel`` says:
+    distributed optimizer, overlapped communication) and Megatron's optimizer."""
     from megatron_tree.mcore.bridge import build_model as build_tree_or_flat
 
     # The flat baseline (tree_training=False): with Transformer Engine, Megatron's sequence packing
@@ -86,23 +88,35 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     # kernels on flat packing (each sequence its own chain).
     bridge, model = build_tree_or_flat(
         path, tree=uses_tree_model(cfg, cuda), backend=cfg.train.attention_backend, bf16=cfg.train.bf16, recompute=cfg.train.recompute,
-        load_weights=load, wrap_with_ddp=True,
-        ddp_config=dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+        load_weights=load, wrap_with_ddp=True, ddp_config=make_ddp_config(cfg.parallel),
     )
     return model, make_optimizer(cfg, model, cuda), bridge
 
 
+def make_ddp_config(p: ParallelConfig) -> dict[str, Any]:
+    """Keywords of megatron-core's ``DistributedDataParallelConfig`` for the run's models (actor, critic)."""
+    from megatron_tree.mcore.data_parallel import ddp_config
+
+    return ddp_config(use_distributed_optimizer=p.use_distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
+                      overlap_param_gather=p.overlap_param_gather, bucket_size=p.ddp_bucket_size)
+
+
 def make_optimizer(cfg: RunConfig, model: list[torch.nn.Module], cuda: bool):
     """megatron-core's optimizer over ``model`` as ``cfg.optimizer`` says (peak lr ``train.lr``; on the CPU the
-    gradient clipping runs through ``runtime.cpu``'s shim)."""
+    gradient clipping runs through ``runtime.cpu``'s shim), distributed over data-parallel ranks with
+    ``parallel.use_distributed_optimizer`` (the DDP wrap must agree: checked)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    o = cfg.optimizer
+    from megatron_tree.mcore.data_parallel import check_optimizer_fits, configure_grad_sync
+
+    o, distributed = cfg.optimizer, cfg.parallel.use_distributed_optimizer
+    check_optimizer_fits(model, distributed)
+    configure_grad_sync(model)
     return get_megatron_optimizer(
         OptimizerConfig(optimizer=o.optimizer, lr=cfg.train.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                         sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad, bf16=cfg.train.bf16,
-                        use_distributed_optimizer=False),
+                        use_distributed_optimizer=distributed),
         model,
     )
 
@@ -188,9 +202,11 @@ def loss_and_grad_norm(losses: list[dict], chunks: list[torch.nn.Module], device
     """``(loss, loss tokens, gradient norm)`` of one model over the whole job, after its backward and before
     its optimizer step, in one all-reduce. The loss: the sum over Megatron's per-micro-batch loss dicts
     ``losses`` (filled on last pipeline stages, once per TP and CP rank) / their count. The norm: L2 over
-    every rank's DDP gradient buffers of ``chunks`` (after the data-parallel reduction); it counts each
-    data-parallel replica and tensor-parallel copy, so it is for the finiteness check only: NaN / inf
-    exactly when a gradient is (or the squares overflow, as in the optimizer's norm). Records log the
+    every rank's DDP gradient buffers of ``chunks`` (after the data-parallel reduction; with the distributed
+    optimizer a rank's buffer is reduced on its own shard only, the rest holds its local gradient, which a
+    NaN / inf passes through to the shard it is reduced into); it counts each data-parallel replica and
+    tensor-parallel copy, so it is for the finiteness check only: NaN / inf exactly when a gradient is (or
+    the squares overflow, as in the optimizer's norm). Records log the
     optimizer's norm."""
     from megatron.core import parallel_state as ps
 
@@ -385,6 +401,8 @@ class Trainer:
 
             report = verify_tree_model(self.model)  # raises when the tree path is not exact
             self._info(f"verify_tree_model: {report}")
+        if describe(self.model):
+            self._info(describe(self.model))
         self.vocab = self.bridge.hf_config.vocab_size
         p, mb = cfg.parallel, cfg.micro_batch
         divisor = (self.model[0].config.microbatch_group_size_per_vp_stage or p.pp) if p.vpp else 1
@@ -637,6 +655,7 @@ class Trainer:
         if self.rank == 0 and os.path.isdir(staging):
             shutil.rmtree(staging)
         dist.barrier()
+        sync_params(self.model)  # overlap_param_gather: the updated shards are gathered in a forward
         self.bridge.save_weights(self.model, staging)
         dist.barrier()
         if self.rank == 0:

@@ -104,11 +104,17 @@ def test_optimizers_are_torch_ones_without_cuda_where_te_bound_fused_ones(monkey
 
     monkeypatch.setattr(optimizer, "USING_PYTORCH_OPTIMIZER", False)
     monkeypatch.setattr(optimizer, "Adam", object)  # stands for TE's FusedAdam
+    from megatron.core.optimizer import distrib_optimizer
+
     patches = megatron_core_patches.torch_optimizers_without_cuda()
-    assert {p.name: p.new for p in patches} == {"USING_PYTORCH_OPTIMIZER": True, "Adam": torch.optim.AdamW,
-                                                "SGD": torch.optim.SGD}
+    assert {p.name: p.new for p in patches if p.owner is optimizer} == {
+        "USING_PYTORCH_OPTIMIZER": True, "Adam": torch.optim.AdamW, "SGD": torch.optim.SGD}
+    # the distributed optimizer (de)serialises the torch optimizer's state, not a fused one's
+    assert {p.name: p.new for p in patches if p.owner is distrib_optimizer} == {
+        "HAVE_APEX_OR_TE": False, "USING_TE_OPTIMIZER": False, "USING_APEX_OPTIMIZER": False}
     with apply_compat_patches():
         assert optimizer.Adam is torch.optim.AdamW and optimizer.USING_PYTORCH_OPTIMIZER is True
+        assert distrib_optimizer.HAVE_APEX_OR_TE is False
     assert optimizer.Adam is object
 
 
