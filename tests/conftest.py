@@ -1,7 +1,7 @@
 """Shared fixtures and markers of the suite (markers: pytest.ini).
 
-- On a GPU host the suite runs in two passes (``two_pass``): the CPU suite with CUDA hidden, as
-  on CI, then the ``gpu`` tests in a second pytest with CUDA visible; one command, one exit code.
+- On a GPU host the suite runs in two passes (``two_pass``): the CPU suite with CUDA and Transformer
+  Engine hidden, as on CI, then the ``gpu`` tests in a second pytest with CUDA visible; one command, one exit code.
 - ``gpu`` tests are skipped, with the reason, where CUDA is not available.
 - tests that start processes (``dist_utils.run_torchrun``) must carry ``multiprocess`` (checked).
 - ``broken_attention_backends``: backends wrong on purpose, for tests that must be able to fail.
@@ -17,6 +17,7 @@ import pytest
 import two_pass
 
 GPU_PASS = two_pass.hide_cuda_for_pass_one()  # before torch touches CUDA in this process
+two_pass.hide_transformer_engine()  # in the CPU pass, as on CI: before anything imports TE
 
 import torch  # noqa: E402
 

@@ -7,6 +7,9 @@ here. Entry point: :func:`megatron_tree.compat.apply_compat_patches` (the lastin
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from megatron_tree.core.patching import AttrPatch
 
 
@@ -156,6 +159,40 @@ def distributed_optimizer_restore_steps(optimizer) -> None:
                     inner.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
+def mla_query_without_low_rank() -> list[AttrPatch]:
+    """Build multi-latent attention without a low-rank query (``q_lora_rank=None``) as megatron-core <= 0.18 did.
+
+    Needed by megatron-core 0.19: ``MLASelfAttention._resolve_qk_norm_config`` (``mla_qk_norm_config``), with
+    ``qk_layernorm=True`` (mbridge's DeepSeek bridges always set it, for the latent KV norm) and no ``q_lora_rank``
+    (DeepSeek-V2-Lite's plain ``q_proj``), (a) refuses the local spec's ``q_layernorm`` ("ValueError:
+    `q_layernorm=...WrappedTorchNorm` is non-trivial, but `q_lora_rank is None`"), and (b) swaps the spec's
+    ``linear_q_proj`` for a fused norm+linear, a query norm with a weight that the Hugging Face model does not
+    have (NVIDIA-NeMo/Megatron-Bridge#5261). Resolves with ``q_layernorm=IdentityOp`` (nothing for a norm to act
+    on without a low-rank query) and keeps the spec's ``linear_q_proj``: the model megatron-core 0.16 builds.
+    No-op where the resolver does not exist; the resolver is untouched when ``q_lora_rank`` is set. Only
+    building needs it.
+    """
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    original = vars(MLASelfAttention).get("_resolve_qk_norm_config")
+    if original is None:
+        return []
+
+    @functools.wraps(original)
+    def _resolve_qk_norm_config(self, submodules):
+        if self.config.q_lora_rank is not None:
+            return original(self, submodules)
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        resolved = dict(original(self, dataclasses.replace(submodules, q_layernorm=IdentityOp)))
+        if submodules.linear_q_proj is not None:
+            resolved["linear_q_proj"] = submodules.linear_q_proj
+        return resolved
+
+    return [AttrPatch(MLASelfAttention, "_resolve_qk_norm_config", _resolve_qk_norm_config,
+                      "megatron-core 0.19: MLA without q_lora_rank gets a query norm HF does not have")]
+
+
 def forget_checkpoint_writer_queue() -> None:
     """Drop megatron-core's cached queue of its checkpoint writers, whose spawn ``Manager`` process was stopped.
 
@@ -175,7 +212,8 @@ def forget_checkpoint_writer_queue() -> None:
 
 def compat_patches() -> list[AttrPatch]:
     """The revertible megatron-core fixes this process needs (applied by :func:`megatron_tree.compat.apply_compat_patches`)."""
-    return torch_optimizers_without_cuda() + local_attention_mla_channels() + mla_without_transformer_engine()
+    return (torch_optimizers_without_cuda() + local_attention_mla_channels() + mla_without_transformer_engine()
+            + mla_query_without_low_rank())
 
 
 def lasting_fixes() -> list[AttrPatch]:

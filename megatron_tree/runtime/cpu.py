@@ -67,6 +67,48 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
     torch.set_rng_state(new_state)
 
 
+class _CpuStream:
+    """What ``torch.cuda.current_stream()`` returns in CPU mode: a stream whose waits and syncs are no-ops
+    (CPU work runs in program order, so there is nothing to wait for)."""
+
+    device = torch.device("cpu")
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "<cpu_mode stream>"
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def cpu_current_stream() -> list[AttrPatch]:
+    """``torch.cuda.current_stream()`` -> a stream whose waits are no-ops (no CUDA only).
+
+    Needed on machines without CUDA (a CPU build of torch, or CUDA hidden) by megatron-core 0.19
+    (not 0.16): ``distributed/param_and_grad_buffer.py`` ``start_grad_sync`` reads
+    ``torch.cuda.current_stream()`` unconditionally (to wait on CUDA-graph weight-gradient events), so every
+    DDP gradient reduction (``finish_grad_sync`` from ``finalize_model_grads``, each training step) raises
+    "No CUDA GPUs are available" / "Torch not compiled with CUDA enabled". No-op with CUDA; without it the
+    original can only raise, so the stand-in changes nothing that worked, on any version. Streams made
+    by megatron-core's overlap options (``torch.cuda.Stream``) are not stood in: the CPU overrides keep those off.
+    """
+    if torch.cuda.is_available():
+        return []
+    return [AttrPatch(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM,
+                      "no CUDA: megatron-core >= 0.19 gradient sync asks for the current stream")]
+
+
 def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
     return self
 
@@ -197,7 +239,8 @@ def cpu_distributed_optimizer() -> list[AttrPatch]:
 
 
 def _cpu_shim_patches() -> list[AttrPatch]:
-    return _torch_cpu_patches() + cpu_rng_state() + cpu_gradient_clipping() + cpu_distributed_optimizer()
+    return (_torch_cpu_patches() + cpu_rng_state() + cpu_gradient_clipping() + cpu_distributed_optimizer()
+            + cpu_current_stream())
 
 
 _CPU_SCOPE = PatchScope(_cpu_shim_patches)
@@ -213,6 +256,8 @@ def cpu_mode() -> Iterator[None]:
     identity; megatron-core's ``tensor_parallel.random._get_cuda_rng_state /
     _set_cuda_rng_state`` -> the CPU generator (:func:`cpu_rng_state`); its gradient clipping -> the CPU
     (:func:`cpu_gradient_clipping`); its ``DistributedOptimizer`` over CPU parameters (:func:`cpu_distributed_optimizer`);
+    ``torch.cuda.current_stream()`` -> a stream whose waits are no-ops
+    where megatron-core's gradient sync asks for it (:func:`cpu_current_stream`);
     and, through a ``TorchFunctionMode`` active in this thread, CUDA devices in
     ``device=`` keywords and ``Tensor.to(device)`` -> ``"cpu"``. The mode is thread-local:
     code run by other threads inside the block sees no device rewriting.

@@ -12,7 +12,8 @@ Layout, as Megatron-LM's: ``ROOT/iter_0000004/`` (one dist checkpoint per save) 
 - ``rng_state``: Python, NumPy, torch (CPU and CUDA) and Megatron's model-parallel RNG
   tracker, one object per rank (restored when the world size is the same);
 - ``iteration``, ``data`` (the rollout source's position), ``world_size`` and ``distributed_optimizer``
-  (a run resumes with the optimizer kind it saved): plain values in ``common.pt``;
+  (a run resumes with the optimizer kind it saved): plain values in ``common.pt`` (megatron-core 0.16; 0.19 keeps
+  them in the shards, as a ``common_state`` object);
 
 and beside them ``checksums.json``: the size and SHA-256 of every file of the checkpoint, written before it is
 renamed into place and verified at load (:func:`write_checksums`, :func:`verify_checksums`).
@@ -381,11 +382,14 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None, critic=No
 
     path = resolve_checkpoint(path)
     verify_checksums(path)
-    if not os.path.isfile(os.path.join(path, "common.pt")):
+    in_shards = _common_state_in_shards(path)
+    if not in_shards and not os.path.isfile(os.path.join(path, "common.pt")):
         raise _damaged(path, "common.pt", "missing")
     try:
         common = dist_checkpointing.load_common_state_dict(path)
-    except Exception as e:  # torch.load's errors of a damaged file: RuntimeError, EOFError, UnpicklingError, ...
+    except (Exception, CheckpointException) as e:  # torch.load's errors of a damaged file (EOFError, ...); torch's
+        if in_shards:  # CheckpointException (a BaseException) from the shards
+            raise _does_not_load(path, e) from None
         raise _damaged(path, "common.pt", f"unreadable: {_first_cause(e)}") from None
     if common.get("has_critic", False) != (critic is not None):
         raise ValueError(f"--load {path}: the checkpoint {'holds a' if common.get('has_critic') else 'holds no'} PPO "
@@ -416,13 +420,18 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None, critic=No
         try:
             loaded = dist_checkpointing.load(state, path)
         except (CheckpointingException, CheckpointException) as e:
-            raise ValueError(f"--load {path}: the checkpoint does not load into this model ({_first_cause(e)}): it "
-                             f"was saved with another model config or parallel layout (resume with those), or a file "
-                             f"of it is damaged") from None
+            raise _does_not_load(path, e) from None
     for i, chunk in enumerate(unwrap_model(model)):
         _load_model_state(chunk, loaded["model" if len(model) == 1 else f"model{i}"], path)
-    with torch.no_grad():  # the distributed optimizer copies fp32 weights into views of the parameters
-        optimizer.load_state_dict(loaded["optimizer"])
+    try:
+        with torch.no_grad():  # the distributed optimizer copies fp32 weights into views of the parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+    except ValueError as e:  # megatron-core 0.19 matches parameter groups by their lr / wd settings
+        if scheduler is not None and "opt_param_scheduler" in common:
+            _refuse_another_schedule(path, scheduler, common["opt_param_scheduler"])
+        raise ValueError(f"--load {path}: the checkpoint's optimizer state does not fit this run's optimizer "
+                         f"({str(e).strip().splitlines()[0][:160]}); resume with the optimizer settings it was saved "
+                         f"with") from None
     if critic is not None:
         for i, chunk in enumerate(unwrap_model(critic[0])):
             _load_model_state(chunk, {k.removeprefix("critic."): v for k, v in loaded["critic"][str(i)].items()}, path)
@@ -435,14 +444,22 @@ def load_checkpoint(path: str, model: list, optimizer, scheduler=None, critic=No
         try:
             scheduler.load_state_dict(saved)
         except AssertionError:  # megatron-core asserts each schedule value equal to the checkpoint's
-            mine = scheduler.state_dict()
-            diff = [f"{k} {saved[k]} (this run: {mine[k]})" for k in mine if k != "num_steps" and saved.get(k) != mine[k]]
-            raise ValueError(f"--load {path}: the checkpoint's lr schedule differs from this run's: {'; '.join(diff)}; "
-                             f"resume with the optimizer settings it was saved with") from None
+            _refuse_another_schedule(path, scheduler, saved)
+            raise
     if has_rng:
         _set_rng_state(loaded["rng_state"])
     return path, int(common["iteration"]), common["data"], has_rng
 
+
+
+def _refuse_another_schedule(path: str, scheduler, saved: dict) -> None:
+    """One-line ValueError naming each lr-schedule value of this run that differs from the checkpoint's (``saved``);
+    nothing when none does."""
+    mine = scheduler.state_dict()
+    diff = [f"{k} {saved.get(k)} (this run: {mine[k]})" for k in mine if k != "num_steps" and saved.get(k) != mine[k]]
+    if diff:
+        raise ValueError(f"--load {path}: the checkpoint's lr schedule differs from this run's: {'; '.join(diff)}; "
+                         f"resume with the optimizer settings it was saved with")
 
 
 def _load_model_state(chunk: torch.nn.Module, state: dict, path: str) -> None:
@@ -457,6 +474,26 @@ def _load_model_state(chunk: torch.nn.Module, state: dict, path: str) -> None:
     if missing or result.unexpected_keys:
         raise ValueError(f"--load {path}: the checkpoint does not fit this model (missing {missing[:4]}, unexpected "
                          f"{list(result.unexpected_keys)[:4]}); resume with the model config it was saved with")
+
+
+def _common_state_in_shards(path: str) -> bool:
+    """Whether checkpoint ``path`` keeps its common state (``iteration``, ``data``, ...) inside its torch_dist shards
+    (a ``common_state`` object: megatron-core 0.19 saves so) rather than in ``common.pt`` (0.16); False when its
+    ``.metadata`` is unreadable (the load then names the damage)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:
+        return False
+    return any(key.split("/")[0] == "common_state" for key in keys)
+
+
+def _does_not_load(path: str, error: Exception) -> ValueError:
+    """The error for checkpoint ``path`` not loading (``error``: megatron-core's or torch's) into this model."""
+    return ValueError(f"--load {path}: the checkpoint does not load into this model ({_first_cause(error)}): it was "
+                      f"saved with another model config or parallel layout (resume with those), or a file of it is "
+                      f"damaged")
 
 
 def _first_cause(error: Exception) -> str:

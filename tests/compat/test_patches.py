@@ -54,6 +54,7 @@ PIECES = [
     megatron_core_patches.torch_optimizers_without_cuda,
     megatron_core_patches.local_attention_mla_channels,
     megatron_core_patches.mla_without_transformer_engine,
+    megatron_core_patches.mla_query_without_low_rank,
     cpu_rng_state,
 ]
 
@@ -304,6 +305,38 @@ def test_mla_rope_arguments_follow_hf_defaults():
         mbridge_patches._mla_rope_args(hf)
     default = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     assert mbridge_patches._mla_rope_args(default)["rope_type"] == "rope"
+
+
+def test_mla_without_low_rank_query_builds_no_query_norm():
+    """megatron-core 0.19's MLA without q_lora_rank refuses the local spec's q_layernorm and fuses a query norm
+    into linear_q_proj that HF does not have; the patch resolves what megatron-core 0.16 builds."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if not hasattr(MLASelfAttention, "_resolve_qk_norm_config"):
+        assert megatron_core_patches.mla_query_without_low_rank() == []
+        pytest.skip("megatron-core < 0.19 builds no query norm without q_lora_rank")
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    submodules = spec.submodules.self_attention.submodules
+    assert submodules.q_layernorm is not IdentityOp and submodules.linear_q_proj is ColumnParallelLinear
+
+    def resolve(q_lora_rank):
+        config = MLATransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=q_lora_rank,
+                                      kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12,
+                                      rope_type="rope", qk_layernorm=True, normalization="RMSNorm",
+                                      use_cpu_initialization=True)
+        return MLASelfAttention._resolve_qk_norm_config(types.SimpleNamespace(config=config), submodules)
+
+    with pytest.raises(ValueError, match="q_lora_rank is None"):
+        resolve(None)
+    with_lora = resolve(32)
+    with apply_compat_patches():
+        without = resolve(None)
+        assert resolve(32) == with_lora  # untouched with a low-rank query
+    assert without["linear_q_proj"] is ColumnParallelLinear and without["q_layernorm"] is IdentityOp
+    assert without["kv_layernorm"] is submodules.kv_layernorm  # the latent KV norm stays
 
 
 def test_local_attention_takes_mla_value_head_dim(cpu_dist):

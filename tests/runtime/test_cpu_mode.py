@@ -37,6 +37,7 @@ def test_cpu_mode_maps_cuda_to_cpu_and_reverts():
     owners = [
         (torch.cuda, "current_device"),
         (torch.cuda, "synchronize"),
+        (torch.cuda, "current_stream"),
         (torch.cuda, "get_rng_state"),
         (torch.cuda, "set_rng_state"),
         (torch.cuda, "manual_seed"),
@@ -50,6 +51,9 @@ def test_cpu_mode_maps_cuda_to_cpu_and_reverts():
     with cpu_mode():
         assert torch.cuda.current_device() == torch.device("cpu")
         torch.cuda.synchronize()  # a no-op, not a CUDA error
+        stream = torch.cuda.current_stream()  # megatron-core 0.19's gradient sync asks for it every step
+        stream.wait_event(None), stream.wait_stream(stream), stream.synchronize()
+        assert stream.query() and stream.device.type == "cpu"
         for device in ("cuda", "cuda:0", 0, torch.device("cuda")):
             assert torch.empty(2, device=device).device.type == "cpu"
             assert torch.ones(2).to(device).device.type == "cpu"
