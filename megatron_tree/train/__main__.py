@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from megatron_tree.core.microbatch_spec import PACKING_ALGORITHMS
 from megatron_tree.train import config
@@ -114,8 +114,19 @@ def _field(key: str) -> tuple[str, Any, type]:
     return f.metadata["help"], default, kind
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors, under torchrun, are printed by rank 0 only (the other ranks put the
+    line in their elastic error file, as :func:`report_error` does), so a mistyped flag is not shown once per rank."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and int(os.environ.get("RANK", "0")) != 0:
+            report_error(f"{self.prog}: error: {message}")
+            sys.exit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog=PROG,
         description="Tree training with Megatron: pack rollouts that share prefixes into prefix trees and train "
         "on them (CPU over gloo, GPUs over NCCL; run under torchrun for several processes).",

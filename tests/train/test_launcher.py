@@ -251,6 +251,21 @@ def test_under_torchrun_rank_0_prints_the_error_and_every_rank_files_it(tmp_path
     assert capsys.readouterr().err == f"[rank {rank}] megatron-tree-train: error: boom\n"
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_a_mistyped_flag_is_printed_by_rank_0_only(tmp_path, capsys, monkeypatch, rank):
+    error_file = tmp_path / "error.json"
+    for name, value in (("RANK", str(rank)), ("WORLD_SIZE", "2"), ("TORCHELASTIC_ERROR_FILE", str(error_file))):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["--dp", "2"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    if rank == 0:
+        assert err.startswith("usage: megatron-tree-train") and "unrecognized arguments: --dp 2" in err
+    else:
+        assert err == "" and "unrecognized arguments: --dp 2" in error_file.read_text()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
