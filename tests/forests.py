@@ -1,8 +1,11 @@
-"""Hypothesis strategies and a brute-force trie for tests of the tree data model."""
+"""Hypothesis strategies, a brute-force trie and random DFS forests (``subtree_end``) for tests of the tree data model."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
+import torch
 from hypothesis import strategies as st
 
 VOCAB = 7  # small vocab: many accidental shared prefixes and duplicates
@@ -68,3 +71,22 @@ def brute_force_trie(seqs):
             j = parent[j]
     paths = [[slot_of[tuple(s[: d + 1])] for d in range(len(s))] for s in seqs]
     return np.array(tokens), np.array(depth), anc, paths
+
+def random_subtree_end(rng: random.Random, num_tokens: int, num_pad: int = 0, p_extend: float = 0.85) -> torch.Tensor:
+    """int32 [num_tokens + num_pad]: a random DFS-ordered forest, then padding slots (end = j + 1).
+
+    Each new slot's parent lies on the path from a root to the previous slot (DFS pre-order):
+    with probability ``p_extend`` it extends the current chain, otherwise it closes a random
+    number of open nodes first (closing all of them starts a new root).
+    """
+    end = [0] * num_tokens
+    path: list[int] = []
+    for i in range(num_tokens):
+        if path and rng.random() > p_extend:
+            for _ in range(rng.randint(1, len(path))):
+                end[path.pop()] = i
+        path.append(i)
+    for j in path:
+        end[j] = num_tokens
+    end += [num_tokens + k + 1 for k in range(num_pad)]
+    return torch.tensor(end, dtype=torch.int32)

@@ -21,6 +21,8 @@ from megatron_tree.attention.flex import (
     padded_length,
     tree_block_mask,
 )
+from forests import random_subtree_end
+
 from megatron_tree.core.masks import dense_tree_mask
 
 requires_cuda = pytest.mark.gpu
@@ -29,24 +31,6 @@ requires_cxx = pytest.mark.skipif(
 )
 
 
-def random_subtree_end(rng: random.Random, num_tokens: int, num_pad: int = 0, p_extend: float = 0.85) -> torch.Tensor:
-    """int32 [num_tokens + num_pad]: a random DFS-ordered forest, then padding slots (end = j + 1).
-
-    Each new slot's parent lies on the path from a root to the previous slot (DFS pre-order):
-    with probability ``p_extend`` it extends the current chain, otherwise it closes a random
-    number of open nodes first (closing all of them starts a new root).
-    """
-    end = [0] * num_tokens
-    path: list[int] = []
-    for i in range(num_tokens):
-        if path and rng.random() > p_extend:
-            for _ in range(rng.randint(1, len(path))):
-                end[path.pop()] = i
-        path.append(i)
-    for j in path:
-        end[j] = num_tokens
-    end += [num_tokens + k + 1 for k in range(num_pad)]
-    return torch.tensor(end, dtype=torch.int32)
 
 
 def edge_trees() -> dict[str, torch.Tensor]:

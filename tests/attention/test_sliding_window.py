@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from forests import random_subtree_end
 
 from megatron_tree.attention import (
     PREPARED_MASKS,
@@ -46,20 +47,6 @@ FOREST = [[1, 2, 3, 4], [1, 2, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 13], [14, 1
           [14, 15, 22, 23, 24, 25, 26, 27]]
 
 
-def random_subtree_end(rng: random.Random, num_tokens: int, num_pad: int = 0, p_extend: float = 0.85) -> torch.Tensor:
-    """int32 [num_tokens + num_pad]: a random DFS-ordered forest (new slots hang below a node of the current
-    root path), then padding slots (end = j + 1)."""
-    end = [0] * num_tokens
-    path: list[int] = []
-    for i in range(num_tokens):
-        if path and rng.random() > p_extend:
-            for _ in range(rng.randint(1, len(path))):
-                end[path.pop()] = i
-        path.append(i)
-    for j in path:
-        end[j] = num_tokens
-    end += [num_tokens + k + 1 for k in range(num_pad)]
-    return torch.tensor(end, dtype=torch.int32)
 
 
 def windowed_by_definition(end: torch.Tensor, window: int, query_slots: torch.Tensor | None = None) -> torch.Tensor:
