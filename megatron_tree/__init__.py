@@ -36,6 +36,7 @@ _LAZY = {
     "enable_tree_rope": "megatron_tree.mcore.rope",
     "build_flat_model": "megatron_tree.mcore.bridge",
     "tree_training_overrides": "megatron_tree.mcore.config_overrides",
+    "ddp_config": "megatron_tree.mcore.data_parallel",
     "tree_forward_backward": "megatron_tree.mcore.schedule",
     "flat_forward_backward": "megatron_tree.mcore.schedule",
     "tree_forward_only": "megatron_tree.mcore.forward_only",
