@@ -526,6 +526,9 @@ def hf_window_args(hf_config: Any) -> dict[str, Any]:
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{type(hf_config).__name__}.sliding_window={window!r}: a sliding window is a number of "
+                         f"tokens, an int >= 1 (null or 0: no window)")
     layers = hf_config.num_hidden_layers
     types = getattr(hf_config, "layer_types", None)
     if types is not None:

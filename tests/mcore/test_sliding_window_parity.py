@@ -56,6 +56,8 @@ def test_hf_window_args_follow_hf_layer_types():
     odd = tiny_hf_config("qwen2", use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "chunked_attention"])
     with pytest.raises(ValueError, match=r"layer_types has \[.chunked_attention.\]"):
         hf_window_args(odd)
+    with pytest.raises(ValueError, match=r"sliding_window=-3: a sliding window is a number of tokens, an int >= 1"):
+        hf_window_args(tiny_hf_config("mixtral", sliding_window=-3))
 
 
 @pytest.mark.parametrize("name", sorted(SLIDING_WINDOW_CASES))
