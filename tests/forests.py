@@ -90,3 +90,32 @@ def random_subtree_end(rng: random.Random, num_tokens: int, num_pad: int = 0, p_
         end[j] = num_tokens
     end += [num_tokens + k + 1 for k in range(num_pad)]
     return torch.tensor(end, dtype=torch.int32)
+
+def dfs_layout(seqs: list[list[int]], padding: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
+    """Trie of ``seqs`` in DFS pre-order: subtree_end int32 [T] and each sequence's slot path."""
+    root: dict = {}
+    for s in seqs:
+        node = root
+        for tok in s:
+            node = node.setdefault(tok, {})
+    ends: list[int] = []
+    slot_of: dict[int, int] = {}
+
+    def visit(children: dict) -> None:
+        for child in children.values():
+            slot = len(ends)
+            slot_of[id(child)] = slot
+            ends.append(-1)
+            visit(child)
+            ends[slot] = len(ends)
+
+    visit(root)
+    paths = []
+    for s in seqs:
+        node, path = root, []
+        for tok in s:
+            node = node[tok]
+            path.append(slot_of[id(node)])
+        paths.append(path)
+    ends += [len(ends) + i + 1 for i in range(padding)]
+    return torch.tensor(ends, dtype=torch.int32), paths

@@ -14,6 +14,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from forests import dfs_layout
 
 from megatron_tree.attention import PREPARED_MASKS, get_tree_attention_backend, tree_attention
 from megatron_tree.attention import dense as dense_attention
@@ -30,34 +31,6 @@ HEADS = [(4, 2, 8), (3, 3, 5), (6, 1, 7)]  # (np, ng, hn): GQA 2:1, MHA with odd
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def dfs_layout(seqs: list[list[int]], padding: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
-    """Trie of ``seqs`` in DFS pre-order: subtree_end int32 [T] and each sequence's slot path."""
-    root: dict = {}
-    for s in seqs:
-        node = root
-        for tok in s:
-            node = node.setdefault(tok, {})
-    ends: list[int] = []
-    slot_of: dict[int, int] = {}
-
-    def visit(children: dict) -> None:
-        for child in children.values():
-            slot = len(ends)
-            slot_of[id(child)] = slot
-            ends.append(-1)
-            visit(child)
-            ends[slot] = len(ends)
-
-    visit(root)
-    paths = []
-    for s in seqs:
-        node, path = root, []
-        for tok in s:
-            node = node[tok]
-            path.append(slot_of[id(node)])
-        paths.append(path)
-    ends += [len(ends) + i + 1 for i in range(padding)]
-    return torch.tensor(ends, dtype=torch.int32), paths
 
 
 def causal_reference(q, k, v, scale):

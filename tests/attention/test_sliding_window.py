@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
-from forests import random_subtree_end
+from forests import dfs_layout, random_subtree_end
 
 from megatron_tree.attention import (
     PREPARED_MASKS,
@@ -58,33 +58,13 @@ def windowed_by_definition(end: torch.Tensor, window: int, query_slots: torch.Te
 
 
 def tree_of(seqs: list[list[int]]):
-    """(subtree_end int32 [T], depth int64 [T], each sequence's slots) of the trie of ``seqs`` in DFS pre-order."""
-    root: dict = {}
-    for seq in seqs:
-        node = root
-        for tok in seq:
-            node = node.setdefault(tok, {})
-    ends: list[int] = []
-    depths: list[int] = []
-    slot_of: dict[int, int] = {}
-
-    def visit(children: dict, depth: int) -> None:
-        for child in children.values():
-            slot_of[id(child)] = slot = len(ends)
-            ends.append(-1)
-            depths.append(depth)
-            visit(child, depth + 1)
-            ends[slot] = len(ends)
-
-    visit(root, 0)
-    paths = []
-    for seq in seqs:
-        node, path = root, []
-        for tok in seq:
-            node = node[tok]
-            path.append(slot_of[id(node)])
-        paths.append(path)
-    return torch.tensor(ends, dtype=torch.int32), torch.tensor(depths), paths
+    """(subtree_end int32 [T], depth int64 [T], each sequence's slots) of the trie of ``seqs`` in DFS pre-order; the
+    depths read off the sequences' slot paths (slot k of a path is at depth k), not from ``subtree_end``."""
+    end, paths = dfs_layout(seqs)
+    depth = torch.empty(end.shape[0], dtype=torch.long)
+    for path in paths:
+        depth[path] = torch.arange(len(path))
+    return end, depth, paths
 
 
 # ----------------------------------------------------------------------------- masks
