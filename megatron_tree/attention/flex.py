@@ -88,15 +88,22 @@ PROVEN = ProvenShapes.grid(
 """Where this backend's FlexAttention kernels were proven exact (forward and backward against the dense
 reference, on a GPU); other calls go elsewhere (``auto``) or are refused."""
 
-PROVEN_WINDOWED = ProvenShapes.none(
-    "the windowed mask_mod and block tables are checked on CPU (tables against the dense mask, forward against dense "
-    "SDPA), not yet forward and backward on a GPU: tests/attention/test_sliding_window.py -m gpu, or "
-    "python -m megatron_tree.attention.conformance --window W",
+PROVEN_WINDOWED = ProvenShapes.grid(
+    head_dims=(64,), gqa_ratios=(1, 2, 4), dtypes=(torch.bfloat16, torch.float16, torch.float32), devices=("sm90",),
+    evidence="benchmarks/results/te/conformance_windowed_w{7,300}.json (H200, torch 2.11): raw kernel, GRPO tree, "
+    "windows 7 and 300, fp32 within 1e-5 and bf16 / fp16 at most 1.6x dense's error; "
+    "tests/attention/test_sliding_window.py::test_cuda_flex_windowed_forward_backward_match_dense (fp32 MHA and 4:1, "
+    "bf16 4:1, with and without context-parallel query slots)",
+    windowed=True,
+) | ProvenShapes.grid(
+    head_dims=(128,), gqa_ratios=(2,), dtypes=(torch.bfloat16,), devices=("sm90",),
+    evidence="tests/attention/test_sliding_window.py::test_cuda_flex_windowed_forward_backward_match_dense (H200, "
+    "torch 2.11, windows 7 and 300, with and without context-parallel query slots)",
     windowed=True,
 )
 """Where the flex backend's sliding-window mask was proven exact on a GPU (forward and backward against the dense
-reference): nowhere yet, so ``auto`` sends windowed calls to the dense reference. Add the shapes a GPU run
-compared (``ProvenShapes.grid(..., windowed=True)``)."""
+reference); ``auto`` sends other windowed calls to the dense reference. Add the shapes a GPU run compared
+(``ProvenShapes.grid(..., windowed=True)``)."""
 
 RECOMPILE_LIMIT = 64
 """Compiled graphs allowed for the module-level compiled FlexAttention (Dynamo's default is 8)."""

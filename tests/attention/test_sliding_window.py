@@ -261,16 +261,23 @@ def test_fa4_refuses_windowed_calls_with_the_reason():
         tree_attention(q, q, q, end, backend="fa4", window=2)
 
 
-def test_flex_windowed_is_unproven_until_a_gpu_compares_it():
-    """On a GPU the flex backend refuses windowed calls (``auto`` runs them dense) until PROVEN_WINDOWED holds the shape;
-    the plain table never proves a windowed call."""
-    for dtype in (torch.float32, torch.bfloat16):
-        plain = AttentionShape(64, 64, 1, dtype, "sm90")
-        windowed = AttentionShape(64, 64, 1, dtype, "sm90", windowed=True)
-        assert flex_attention.PROVEN.proves(plain) or dtype == torch.bfloat16
-        assert not flex_attention.PROVEN.proves(windowed)
-        reason = flex_attention.refusal(windowed, batch=1, dropout_p=0.0)
-        assert "with a sliding window on no shape yet" in reason and "sliding window on sm90" in reason
+def test_flex_windowed_table_holds_only_what_a_gpu_compared():
+    """PROVEN_WINDOWED holds the shapes the H200 runs compared (head dim 64 at GQA 1/2/4 in every dtype, 128 at 2:1
+    bf16); the plain table never proves a windowed call, nor the windowed table a plain one; an unproven windowed
+    shape is refused with the reason (``auto`` runs it dense)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for ratio in (1, 2, 4):
+            windowed = AttentionShape(64, 64, ratio, dtype, "sm90", windowed=True)
+            assert flex_attention.PROVEN_WINDOWED.proves(windowed)
+            assert not flex_attention.PROVEN.proves(windowed)
+            assert flex_attention.refusal(windowed, batch=1, dropout_p=0.0) is None
+    assert flex_attention.PROVEN_WINDOWED.proves(AttentionShape(128, 128, 2, torch.bfloat16, "sm90", windowed=True))
+    assert not flex_attention.PROVEN_WINDOWED.proves(AttentionShape(64, 64, 1, torch.float32, "sm90"))
+    for unproven in (AttentionShape(128, 128, 1, torch.float32, "sm90", windowed=True),
+                     AttentionShape(64, 64, 8, torch.bfloat16, "sm90", windowed=True),
+                     AttentionShape(64, 64, 1, torch.bfloat16, "sm100", windowed=True)):
+        reason = flex_attention.refusal(unproven, batch=1, dropout_p=0.0)
+        assert reason is not None and "sliding window on" in reason, unproven
 
 
 def test_auto_and_dense_run_windowed_calls_on_cpu_and_cache_per_window(monkeypatch):
@@ -367,11 +374,12 @@ def test_cuda_flex_windowed_forward_backward_match_dense(dtype, d, ratio, query_
 
 
 @pytest.mark.gpu
-def test_cuda_auto_runs_windowed_bf16_calls_exactly():
-    """``auto`` on the GPU: a windowed bf16 call (which FA4 refuses, and flex until proven) equals the dense reference."""
+def test_cuda_auto_runs_unproven_windowed_calls_exactly():
+    """``auto`` on the GPU: a windowed bf16 call that FA4 refuses and flex's windowed table does not hold (head dim 128,
+    MHA) equals the dense reference."""
     end = random_subtree_end(random.Random(6), 900, num_pad=11).cuda()
     t = end.shape[0]
-    q, k, v = (torch.randn(t, 1, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 4, 4))
+    q, k, v = (torch.randn(t, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     PREPARED_MASKS.clear()
     got = tree_attention(q, k, v, end[None], window=33)
     want = tree_attention(q, k, v, end[None], window=33, backend="dense")
