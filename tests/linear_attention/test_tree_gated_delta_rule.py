@@ -124,7 +124,7 @@ def test_bad_inputs_are_refused_naming_the_tensor():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_tree_matches_the_torch_path_on_gpu(dtype, monkeypatch):
     """On CUDA with fla: the tree through fla's kernels against the PyTorch path (fp32: 1e-4 with TF32 off;
-    bf16: within 4x the PyTorch path's own bf16 error against fp32)."""
+    bf16: within 5x the PyTorch path's own error on the bf16 inputs, both against the fp32 run on the fp32 inputs)."""
     if chunk_module._fla_chunk_gated_delta_rule is None:
         pytest.skip("flash-linear-attention (fla-core >= 0.6) is not installed")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -143,9 +143,9 @@ def test_fla_tree_matches_the_torch_path_on_gpu(dtype, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(chunk_module, "_fla_chunk_gated_delta_rule", None)
         torch_low = run(low)
-        exact = run([x.float() for x in low])
+        exact = run(inputs)
     for name, a, b, e in zip("o dq dk dv dg dbeta".split(), fla, torch_low, exact):
         if dtype == torch.float32:
             assert rel_err(a, e) < 1e-4, name
         else:
-            assert rel_err(a, e) <= 4 * rel_err(b, e) + 1e-3, (name, rel_err(a, e), rel_err(b, e))
+            assert rel_err(a, e) <= 5 * rel_err(b, e), (name, rel_err(a, e), rel_err(b, e))
