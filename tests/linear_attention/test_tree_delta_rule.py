@@ -39,7 +39,8 @@ def _compare(end, scale=None, seed=0):
 def test_tree_equals_each_root_path_alone(name):
     o, ref, grads, ref_grads = _compare(CASES[name])
     assert o.dtype == torch.float32
-    errors = {"o": rel_err(o, ref)} | {f"d{n}": rel_err(a, b) for n, a, b in zip("q k v g beta".split(), grads, ref_grads)}
+    errors = {"o": rel_err(o, ref)}
+    errors |= {f"d{n}": rel_err(a, b) for n, a, b in zip("q k v g beta".split(), grads, ref_grads)}
     assert max(errors.values()) < 1e-5, errors
 
 
