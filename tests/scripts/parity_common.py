@@ -48,6 +48,30 @@ def branching_forest(seed: int = 0) -> list[list[int]]:
     return seqs
 
 
+def recurrent_forest(seed: int = 0) -> list[list[int]]:
+    """Edge trees for recurrent (Gated DeltaNet) layers, whose conv window and state follow each root path.
+
+    - siblings ``p + [1] + 3``, ``p + [2] + 6`` (the long one laid out after the short one) and their strict
+      prefixes ``p`` and ``p + [2] + 3``;
+    - a comb: a 9-token chain ``c`` with a 2-token branch leaving it at every depth 1..8, and ``c`` itself;
+    - a chain longer than 64 tokens (one chunk of the chunked scan): 70 tokens, then two 3-token branches.
+    Token ids 1..3 sort before the random ones (>= 10), so short branches come first in DFS order.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, VOCAB, (n,), generator=gen).tolist()
+
+    prompt = rand(5)
+    long_branch = prompt + [2] + rand(6)
+    seqs = [prompt + [1] + rand(3), long_branch, prompt, long_branch[:9]]
+    comb = rand(9)
+    seqs += [comb[:depth] + [3] + rand(1) for depth in range(1, 9)] + [comb]
+    trunk = rand(70)
+    seqs += [trunk + [1] + rand(2), trunk + rand(3)]
+    return seqs
+
+
 def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
     """``pack_trees`` with a capacity that splits the forest into several micro-batches."""
     return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))
