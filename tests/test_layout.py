@@ -15,16 +15,18 @@ ALLOWED = {
     "core": {"core"},
     "ops": {"core", "ops"},
     "attention": {"core", "attention"},
+    "linear_attention": {"core", "linear_attention"},
     "compat": {"core", "compat"},
-    "mcore": {"core", "ops", "attention", "compat", "mcore"},
-    "runtime": {"core", "ops", "attention", "compat", "mcore", "runtime"},
-    "train": {"core", "ops", "attention", "compat", "mcore", "runtime", "train"},
+    "mcore": {"core", "ops", "attention", "linear_attention", "compat", "mcore"},
+    "runtime": {"core", "ops", "attention", "linear_attention", "compat", "mcore", "runtime"},
+    "train": {"core", "ops", "attention", "linear_attention", "compat", "mcore", "runtime", "train"},
 }
 UPSTREAM = ("megatron", "mbridge", "transformers", "transformer_engine", "flash_attn", "cutlass")
 FORBIDDEN = {
     "core": UPSTREAM,
     "ops": UPSTREAM,
     "attention": ("megatron", "mbridge", "transformers"),  # the kernels (TE, FA4's CuTe DSL) are optional imports
+    "linear_attention": UPSTREAM,  # its kernel (flash-linear-attention) is an optional import
 }
 
 # Reviewed exceptions: the one Transformer Engine probe, and the 0.1 names' deprecated aliases

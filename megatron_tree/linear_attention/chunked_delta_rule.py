@@ -1,0 +1,218 @@
+"""The chunked gated delta rule with flash-linear-attention's ``chunk_gated_delta_rule`` semantics.
+
+Shape legend: B = batch rows, T = tokens per row, H = heads, Kd = query/key head dim, Vd = value
+head dim, N = sequences (B, or ``len(cu_seqlens) - 1``), C = chunks of ``CHUNK`` tokens, n_j = sequences
+that have a chunk j.
+
+The recurrence, per sequence and head, state ``S`` [Kd, Vd] (zero or ``initial_state``)::
+
+    S = exp(g_t) * S
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T        (the delta rule: write the part of v_t that S misses)
+    o_t = scale * S^T q_t
+
+Chunked (WY / UT form): in a chunk with in-chunk cumulative log decay ``G`` and start state ``S0``,
+``U = (I + A)^-1 (beta V - beta exp(G) K S0)`` with ``A[r, s] = beta_r exp(G_r - G_s) k_r.k_s`` (s < r),
+so ``U = U0 - W S0`` where ``U0``, ``W`` need no state; then
+``O = scale (exp(G) Q S0 + (QK^T * exp(G_r - G_s), s <= r) U)`` and
+``S_end = exp(G_last) S0 + (exp(G_last - G) K)^T U``. Everything but ``U`` and ``S_end`` runs for all
+chunks at once; a Python loop over the chunk index j carries the states (``U`` and ``S_end`` of the
+n_j sequences with a chunk j, one batched matmul each).
+
+On CUDA with flash-linear-attention installed (``fla.ops.gated_delta_rule``) its Triton kernels run
+instead; elsewhere the PyTorch path below (fp32 math, autograd backward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_tree.linear_attention.checks import check_finite, check_floating, check_shape
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
+except ImportError:
+    _fla_chunk_gated_delta_rule = None
+
+__all__ = ["CHUNK", "chunk_gated_delta_rule", "unchecked_chunk_gated_delta_rule"]
+
+CHUNK = 64
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over ``q``, ``k`` [B, T, H, Kd], ``v`` [B, T, H, Vd], ``g`` (log decay, <= 0) and
+    ``beta`` [B, T, H] (module docstring), as ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
+
+    ``scale`` defaults to ``Kd ** -0.5`` (no l2 norm is applied here). ``initial_state`` [N, H, Kd, Vd]
+    (fp32 preferred) starts each sequence, zero if None. With ``cu_seqlens`` (int [N+1], B == 1) each
+    range ``[cu_seqlens[n], cu_seqlens[n+1])`` of the T tokens is an independent sequence. Returns
+    ``o`` [B, T, H, Vd] in q's dtype and, if ``output_final_state``, the final states [N, H, Kd, Vd] fp32
+    (else None). Differentiable in q, k, v, g, beta and initial_state.
+    """
+    lengths = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    return unchecked_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                            lengths=lengths)
+
+
+def unchecked_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    lengths: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_gated_delta_rule` on inputs already checked, with the sequence ``lengths`` [N] on the host
+    (``cu_seqlens`` on the host, or B times T): fla's kernels on CUDA where fla imports, else PyTorch."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if _fla_chunk_gated_delta_rule is not None and q.is_cuda:
+        return _fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    b, t, h, _ = q.shape
+    flat = [x.reshape((b * t, h) + x.shape[3:]).float() for x in (q, k, v, g, beta)]
+    o, final = _chunked_torch(*flat, scale=scale, initial_state=initial_state, lengths=lengths)
+    return o.reshape(v.shape).to(q.dtype), final if output_final_state else None
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    """Where each token goes in the chunked layout. Chunks are ordered by (chunk index j, sequence rank),
+    sequences ranked by descending chunk count, so the n_j sequences with a chunk j are ranks 0..n_j-1
+    and their chunks j are rows ``[sum(steps[:j]), sum(steps[:j + 1]))``.
+
+    token      [C, CHUNK] int64  token of each chunk position, ``T`` (a zero row) past a sequence's end.
+    row        [T]        int64  position of each token in the flattened [C * CHUNK] layout.
+    by_rank    [N]        int64  sequence of each rank.
+    rank       [N]        int64  rank of each sequence.
+    steps      list[int]  n_j for each chunk index j (host).
+    """
+
+    token: torch.Tensor
+    row: torch.Tensor
+    by_rank: torch.Tensor
+    rank: torch.Tensor
+    steps: list[int]
+
+
+def _plan(lengths: tuple[int, ...], device: torch.device) -> _ChunkPlan:
+    lens = np.asarray(lengths, np.int64)
+    n = lens.shape[0]
+    total = int(lens.sum())
+    starts = np.cumsum(lens) - lens
+    chunks = -(-lens // CHUNK)
+    by_rank = np.argsort(-chunks, kind="stable")
+    rank = np.empty(n, np.int64)
+    rank[by_rank] = np.arange(n)
+    seq = np.repeat(np.arange(n), chunks)
+    index = np.arange(seq.shape[0]) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    order = np.lexsort((rank[seq], index))
+    seq, index = seq[order], index[order]
+    pos = starts[seq, None] + index[:, None] * CHUNK + np.arange(CHUNK)
+    inside = pos < (starts + lens)[seq, None]
+    row = np.empty(total, np.int64)
+    row[pos[inside]] = np.flatnonzero(inside)
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
+    return _ChunkPlan(token=dev(np.where(inside, pos, total)), row=dev(row), by_rank=dev(by_rank), rank=dev(rank),
+                      steps=np.bincount(index).tolist())
+
+
+def _chunked_torch(q, k, v, g, beta, *, scale, initial_state, lengths):
+    """fp32 ``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences ->
+    (o [T, H, Vd], final states [N, H, Kd, Vd]), both fp32."""
+    plan = _plan(lengths, q.device)
+    h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+
+    def chunked(x):  # [T, H, ...] -> [C, H, CHUNK, ...], zeros past each sequence's end
+        padded = torch.cat([x, x.new_zeros((1,) + x.shape[1:])])
+        return padded[plan.token].movedim(1, 2)
+
+    q, k, v, g, beta = map(chunked, (q, k, v, g, beta))
+    log_decay = g.cumsum(-1)  # G [C, H, CHUNK]
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+    k_beta = k * beta[..., None]
+    a = ((k_beta @ k.mT) * pair_decay).tril(-1)
+    rhs = torch.cat([v * beta[..., None], k_beta * log_decay.exp()[..., None]], -1)
+    u0, w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
+    attn = (q @ k.mT) * pair_decay * scale
+    q_decayed = q * (log_decay.exp() * scale)[..., None]
+    last = log_decay[..., -1:]
+    k_to_end = k * (last - log_decay).exp()[..., None]
+    chunk_decay = last.exp()[..., None]  # [C, H, 1, 1]
+
+    n = len(lengths)
+    state = (q.new_zeros(n, h, dk, dv) if initial_state is None else initial_state.float())[plan.by_rank]
+    done, start_states, new_values = [], [], []
+    first = 0
+    for count in plan.steps:
+        done.append(state[count:])
+        state = state[:count]
+        rows = slice(first, first + count)
+        first += count
+        u = u0[rows] - w[rows] @ state
+        start_states.append(state)
+        new_values.append(u)
+        state = state * chunk_decay[rows] + k_to_end[rows].mT @ u
+    done.append(state)
+    final = torch.cat(done[::-1])[plan.rank]  # blocks finished later hold lower ranks
+    o = q_decayed @ torch.cat(start_states) + attn @ torch.cat(new_values)  # [C, H, CHUNK, Vd]
+    return o.movedim(1, 2).reshape(-1, h, dv)[plan.row], final
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, ...]:
+    """Shapes, dtypes and finiteness of :func:`chunk_gated_delta_rule`'s inputs; returns the host lengths [N]."""
+    check_floating(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    check_shape("q", q, (None, None, None, None), "[B, T, H, Kd]")
+    b, t, h, dk = q.shape
+    check_shape("k", k, (b, t, h, dk), "[B, T, H, Kd] like q")
+    check_shape("v", v, (b, t, h, None), "[B, T, H, Vd] like q")
+    check_shape("g", g, (b, t, h), "[B, T, H] like q")
+    check_shape("beta", beta, (b, t, h), "[B, T, H] like q")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast them")
+    devices = {x.device for x in (q, k, v, g, beta, initial_state, cu_seqlens) if x is not None}
+    if len(devices) > 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if t == 0:
+        raise ValueError(f"q has no tokens (shape {tuple(q.shape)}); pass T >= 1")
+    if cu_seqlens is None:
+        lengths = (t,) * b
+    else:
+        if cu_seqlens.is_floating_point() or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be an int tensor [N+1] with N >= 1, got shape "
+                             f"{tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}")
+        if b != 1:
+            raise ValueError(f"with cu_seqlens the batch must be one packed row (B == 1), got B = {b}; "
+                             f"flatten the rows into one")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != t or any(x > y for x, y in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T = {t} (offsets of the packed sequences), got {cu}")
+        lengths = tuple(y - x for x, y in zip(cu, cu[1:]))
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, (len(lengths), h, dk, v.shape[3]), "[N, H, Kd, Vd]")
+    check_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    return lengths

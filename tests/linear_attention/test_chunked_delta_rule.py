@@ -1,0 +1,144 @@
+"""chunk_gated_delta_rule (the PyTorch path on CPU): against the fp64 per-token loop (values, final states and
+gradients of q, k, v, g, beta, initial_state), against Hugging Face's ``torch_recurrent_gated_delta_rule`` and
+``torch_chunk_gated_delta_rule`` (an outside oracle), varlen ``cu_seqlens`` against one call per sequence,
+and refusals naming the tensor. ``gpu``: fla's kernels against the PyTorch path, fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gdn_trees import rel_err
+
+import megatron_tree.linear_attention.chunked_delta_rule as chunk_module
+from megatron_tree.linear_attention import chunk_gated_delta_rule
+from megatron_tree.testing import gated_delta_rule_reference
+
+
+def _inputs(b, t, h=3, dk=8, dv=12, n_states=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, dk, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)
+    v = torch.randn(b, t, h, dv, generator=gen)
+    g = -0.2 * torch.rand(b, t, h, generator=gen)
+    beta = torch.rand(b, t, h, generator=gen)
+    h0 = torch.randn(b if n_states is None else n_states, h, dk, dv, generator=gen)
+    return [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+def test_batched_equals_the_per_token_loop(t):
+    q, k, v, g, beta, h0 = inputs = _inputs(2, t)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    wo, wf = torch.randn_like(o), torch.randn_like(final)
+    grads = torch.autograd.grad((o * wo).sum() + (final * wf).sum(), inputs)
+    ref_o, ref_f, loss = [], [], 0.0
+    for row in range(2):
+        ro, rf = gated_delta_rule_reference(q[row], k[row], v[row], g[row], beta[row], initial_state=h0[row])
+        ref_o.append(ro)
+        ref_f.append(rf)
+        loss = loss + (ro * wo[row]).sum() + (rf * wf[row]).sum()
+    ref_grads = torch.autograd.grad(loss, inputs)
+    errors = {"o": rel_err(o, torch.stack(ref_o)), "final": rel_err(final, torch.stack(ref_f))}
+    errors |= {f"d{n}": rel_err(a, r) for n, a, r in zip("q k v g beta h0".split(), grads, ref_grads)}
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_matches_hugging_face_recurrent_and_chunked():
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta, h0 = (x.detach() for x in _inputs(2, 150, dk=16, dv=24))
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for fn in (hf.torch_recurrent_gated_delta_rule, hf.torch_chunk_gated_delta_rule):
+        ref_o, ref_f = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert rel_err(o, ref_o) < 1e-5 and rel_err(final, ref_f) < 1e-5, fn.__name__
+
+
+def test_varlen_equals_one_call_per_sequence():
+    """Lengths 10, 0 (empty), 64, 129, 21: each range independent, with its own initial state."""
+    cu = torch.tensor([0, 10, 10, 74, 203, 224])
+    q, k, v, g, beta, h0 = inputs = _inputs(1, 224, n_states=5)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    wo, wf = torch.randn_like(o), torch.randn_like(final)
+    grads = torch.autograd.grad((o * wo).sum() + (final * wf).sum(), inputs)
+    loss = 0.0
+    for n in range(5):
+        a, b = int(cu[n]), int(cu[n + 1])
+        so, sf = chunk_gated_delta_rule(*(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=h0[n : n + 1],
+                                        output_final_state=True) if b > a else (wo[:, a:b], h0[n : n + 1])
+        assert rel_err(final[n], sf[0]) < 1e-6, n
+        if b > a:
+            assert rel_err(o[:, a:b], so) < 1e-6, n
+        loss = loss + (so * wo[:, a:b]).sum() + (sf[0] * wf[n]).sum()
+    ref_grads = torch.autograd.grad(loss, inputs)
+    for name, a, r in zip("q k v g beta h0".split(), grads, ref_grads):
+        assert rel_err(a, r) < 1e-5, name
+
+
+def test_defaults_scale_dtype_and_no_final_state():
+    q, k, v, g, beta, _ = (x.detach() for x in _inputs(1, 70))
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta)
+    assert final is None
+    ref = gated_delta_rule_reference(q[0], k[0], v[0], g[0], beta[0], scale=0.5)[0]
+    assert rel_err(chunk_gated_delta_rule(q, k, v, g, beta, scale=0.5)[0][0], ref) < 1e-5
+    assert rel_err(o[0], gated_delta_rule_reference(q[0], k[0], v[0], g[0], beta[0])[0]) < 1e-5
+    low = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, output_final_state=True)
+    assert low[0].dtype == torch.bfloat16 and low[1].dtype == torch.float32
+
+
+def test_bad_inputs_are_refused_naming_the_tensor():
+    q, k, v, g, beta, h0 = (x.detach() for x in _inputs(2, 20))
+    with pytest.raises(ValueError, match=r"k must be \[B, T, H, Kd\] like q = \[2, 20, 3, 8\], got shape \(2, 19"):
+        chunk_gated_delta_rule(q, k[:, 1:], v, g, beta)
+    with pytest.raises(ValueError, match=r"g must be \[B, T, H\] like q"):
+        chunk_gated_delta_rule(q, k, v, g[..., None], beta)
+    with pytest.raises(ValueError, match=r"initial_state must be \[N, H, Kd, Vd\] = \[2, 3, 8, 12\]"):
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[:1])
+    with pytest.raises(ValueError, match="q, k and v must share one dtype"):
+        chunk_gated_delta_rule(q, k, v.half(), g, beta)
+    with pytest.raises(ValueError, match="beta must be a floating-point tensor"):
+        chunk_gated_delta_rule(q, k, v, g, beta.int())
+    bad = v.clone()
+    bad[1, 3, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"non-finite values \(inf or nan\) in v;"):
+        chunk_gated_delta_rule(q, k, bad, g, beta)
+    with pytest.raises(ValueError, match=r"B == 1"):
+        chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 20]))
+    one = [x[:1] for x in (q, k, v, g, beta)]
+    with pytest.raises(ValueError, match=r"cu_seqlens must rise from 0 to T = 20"):
+        chunk_gated_delta_rule(*one, cu_seqlens=torch.tensor([0, 12, 8, 20]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be an int tensor"):
+        chunk_gated_delta_rule(*one, cu_seqlens=torch.tensor([0.0, 20.0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_matches_the_torch_path_on_gpu(dtype, monkeypatch):
+    """fla's Triton kernels against the PyTorch path on the same CUDA tensors, varlen with initial states:
+    values, final states and gradients of q, k, v, g, beta, initial_state. fp32 (TF32 off): 1e-4; bf16:
+    within 5x the PyTorch path's own error on the bf16 inputs, both against the fp32 run on the fp32 inputs
+    (FlashAttention's rule)."""
+    if chunk_module._fla_chunk_gated_delta_rule is None:
+        pytest.skip("flash-linear-attention (fla-core >= 0.6) is not installed")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cu = torch.tensor([0, 100, 164, 500, 537], device="cuda")
+    inputs = [x.detach().cuda() for x in _inputs(1, 537, h=4, dk=64, dv=128, n_states=4)]
+    wo = torch.randn(1, 537, 4, 128, device="cuda")
+    wf = torch.randn(4, 4, 64, 128, device="cuda")
+
+    def run(xs):
+        xs = [x.clone().requires_grad_() for x in xs]
+        o, final = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+        loss = (o.float() * wo).sum() + (final.float() * wf).sum()
+        return [o, final, *torch.autograd.grad(loss, xs)]
+
+    low = [x.to(dtype) if i < 3 else x for i, x in enumerate(inputs)]  # q, k, v in dtype; g, beta, h0 fp32
+    fla = run(low)
+    with monkeypatch.context() as m:
+        m.setattr(chunk_module, "_fla_chunk_gated_delta_rule", None)
+        torch_low = run(low)
+        exact = run(inputs)
+    for name, a, b, e in zip("o final dq dk dv dg dbeta dh0".split(), fla, torch_low, exact):
+        if dtype == torch.float32:
+            assert rel_err(a, e) < 1e-4, (name, rel_err(a, e))
+        else:
+            assert rel_err(a, e) <= 5 * rel_err(b, e), (name, rel_err(a, e), rel_err(b, e))
