@@ -140,6 +140,43 @@ def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
     return out
 
 
+def _fp64_chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                                 use_qk_l2norm_in_kernel=False, **kwargs):
+    """Hugging Face's ``torch_chunk_gated_delta_rule`` contract (``[B, L, H, *]``), computed token by token in fp64
+    (Hugging Face's own casts to fp32)."""
+    from megatron_tree.testing import gated_delta_rule_reference
+
+    assert initial_state is None and not output_final_state, "fp64 reference: whole sequences only (use_cache=False)"
+    q, k = query.double(), key.double()
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    group = value.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    out = [gated_delta_rule_reference(q[i], k[i], value[i], g[i], beta[i])[0] for i in range(q.shape[0])]
+    return torch.stack(out).to(query.dtype), None
+
+
+def hf_logprobs_fp64(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
+    """:func:`hf_logprobs` in fp64 throughout (the exact values fp32 runs round): the model in fp64, and for Gated
+    DeltaNet layers (Qwen3-Next, Qwen3.5) a per-token fp64 delta rule in place of Hugging Face's fp32 one."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    # eager experts: torch.nn.functional.grouped_mm has no fp64
+    hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float64, experts_implementation="eager").eval()
+    out = {}
+    with torch.no_grad(), mock.patch.object(modeling_qwen3_5, "torch_chunk_gated_delta_rule", _fp64_chunk_gated_delta_rule), \
+            mock.patch.object(modeling_qwen3_next, "torch_chunk_gated_delta_rule", _fp64_chunk_gated_delta_rule):
+        for sid, seq in enumerate(seqs):
+            ids = torch.tensor(seq)[None]
+            logp = torch.log_softmax(hf(ids, use_cache=False).logits[0, :-1], -1)
+            out[sid] = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return out
+
+
 def max_diff(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
     """Largest absolute difference over all sequences (both dicts must hold the same ids)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
