@@ -143,8 +143,9 @@ class TreeGatedDeltaNet(MegatronModule):
         setattr(self.conv1d.weight, "tensor_model_parallel", True)
         if conv_bias:
             setattr(self.conv1d.bias, "tensor_model_parallel", True)
-        self.dt_bias = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, dtype=config.params_dtype, device=device))
-        self.A_log = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, dtype=config.params_dtype, device=device))
+        heads = dict(dtype=config.params_dtype, device=device)
+        self.dt_bias = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, **heads))
+        self.A_log = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, **heads))
         for param in (self.dt_bias, self.A_log):
             setattr(param, "tensor_model_parallel", True)
         self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=self.value_head_dim,

@@ -166,10 +166,12 @@ def hf_logprobs_fp64(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Ten
     from transformers.models.qwen3_next import modeling_qwen3_next
 
     # eager experts: torch.nn.functional.grouped_mm has no fp64
-    hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float64, experts_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float64,
+                                              experts_implementation="eager").eval()
     out = {}
-    with torch.no_grad(), mock.patch.object(modeling_qwen3_5, "torch_chunk_gated_delta_rule", _fp64_chunk_gated_delta_rule), \
-            mock.patch.object(modeling_qwen3_next, "torch_chunk_gated_delta_rule", _fp64_chunk_gated_delta_rule):
+    rule = "torch_chunk_gated_delta_rule"
+    with torch.no_grad(), mock.patch.object(modeling_qwen3_5, rule, _fp64_chunk_gated_delta_rule), \
+            mock.patch.object(modeling_qwen3_next, rule, _fp64_chunk_gated_delta_rule):
         for sid, seq in enumerate(seqs):
             ids = torch.tensor(seq)[None]
             logp = torch.log_softmax(hf(ids, use_cache=False).logits[0, :-1], -1)

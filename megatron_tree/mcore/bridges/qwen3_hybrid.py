@@ -12,7 +12,8 @@ nh / ng / hd: attention heads, KV groups, head dim, rh = nh / ng):
 - full attention ``q_proj`` holds per head ``[q_h | gate_h]`` (``[nh * 2 hd, h]``); megatron-core's ``linear_qkv``
   (``attention_output_gate``) per KV group ``[q (rh heads) | gate (rh heads) | k | v]``.
 - GDN ``in_proj``: megatron-core ``[q (nk dk) | k (nk dk) | v (nv dv) | z (nv dv) | b (nv) | a (nv)]``; Qwen3-Next's
-  ``in_proj_qkvz`` groups per key head ``[q_i | k_i | v_i (r dv) | z_i (r dv)]`` and ``in_proj_ba`` ``[b_i (r) | a_i (r)]``;
+  ``in_proj_qkvz`` groups per key head ``[q_i | k_i | v_i (r dv) | z_i (r dv)]`` and ``in_proj_ba``
+  ``[b_i (r) | a_i (r)]``;
   Qwen3.5 has ``in_proj_qkv`` (``[q | k | v]``), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
 - Tensor parallel: each rank holds every component's slice (``[q_r | k_r | v_r | z_r | b_r | a_r]``, conv channels
   ``[q_r | k_r | v_r]``), so ``in_proj`` and ``conv1d`` split and merge per component, not as one block.
@@ -86,11 +87,13 @@ class _Qwen3HybridBridge(LLMBridge):
             raise ValueError(f"{hf.model_type} rope_type={rope.get('rope_type')!r}: this bridge builds plain RoPE "
                              f"('default') only")
         if hf.hidden_act != "silu":
-            raise ValueError(f"{hf.model_type} hidden_act={hf.hidden_act!r}: the GDN layers and MLPs are built with SiLU")
+            raise ValueError(f"{hf.model_type} hidden_act={hf.hidden_act!r}: the GDN layers and MLPs are built with "
+                             f"SiLU")
         if self.mpu.cp_size > 1:
             raise ValueError(
-                f"{hf.model_type} under context parallel size {self.mpu.cp_size}: Gated DeltaNet layers cannot be split "
-                f"over context-parallel ranks (each slot's state depends on all its ancestors); use context_parallel_size=1"
+                f"{hf.model_type} under context parallel size {self.mpu.cp_size}: Gated DeltaNet layers cannot be "
+                f"split over context-parallel ranks (each slot's state depends on all its ancestors); use "
+                f"context_parallel_size=1"
             )
 
     def _hybrid_config_args(self) -> dict[str, Any]:
@@ -156,8 +159,8 @@ class _Qwen3HybridBridge(LLMBridge):
 
     def _sizes(self) -> dict[str, int]:
         c = self.config
-        return dict(qk=c.linear_num_key_heads * c.linear_key_head_dim, v=c.linear_num_value_heads * c.linear_value_head_dim,
-                    nv=c.linear_num_value_heads)
+        return dict(qk=c.linear_num_key_heads * c.linear_key_head_dim,
+                    v=c.linear_num_value_heads * c.linear_value_head_dim, nv=c.linear_num_value_heads)
 
     def _in_proj_sections(self) -> list[int]:
         s = self._sizes()
