@@ -39,10 +39,12 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
     Keep it open across ``AutoBridge.from_pretrained(path)`` *and* ``bridge.get_model(...)``
     (mbridge builds the layer spec lazily inside ``get_model``). Inside it:
 
-    - the compatibility patches (:func:`megatron_tree.compat.apply_compat_patches`) are active;
+    - the compatibility patches (:func:`megatron_tree.compat.apply_compat_patches`) are active, and our
+      bridges of the families mbridge lacks (Qwen3-Next, Qwen3.5: :mod:`megatron_tree.mcore.bridges`) registered;
     - every decoder block spec a bridge builds goes through :func:`tree_layer_spec`
-      (``backend`` names the tree attention backend), which raises for layers it cannot
-      convert (linear attention);
+      (``backend`` names the tree attention backend; Gated DeltaNet layers become
+      :class:`~megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet`), which raises for layers it cannot
+      convert (other linear-attention or state-space mixers);
     - every model chunk ``get_model`` returns goes through :func:`~megatron_tree.mcore.rope.convert_to_tree_model`.
 
     Class-level changes are reverted on exit. The models built inside keep their tree
@@ -55,6 +57,9 @@ def patch_bridge_for_tree_training(enable: bool = True, *, backend: str = "auto"
     get_tree_attention_backend(backend)
     from megatron_tree.compat import apply_compat_patches
     from megatron_tree.mcore.bridge_hooks import layer_spec_hook, model_hook
+    from megatron_tree.mcore.bridges import register_bridges
+
+    register_bridges()
 
     spec_transform = functools.partial(tree_layer_spec, backend=backend)
     with apply_compat_patches(), layer_spec_hook(spec_transform), model_hook(convert_to_tree_model):
@@ -147,7 +152,9 @@ def build_model(hf_path: str | os.PathLike, *, tree: bool, backend: str = "auto"
 
 def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, extra_args, get_model_kwargs):
     from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.mcore.bridges import register_bridges
 
+    register_bridges()
     path = os.path.expanduser(os.fspath(hf_path))
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
         raise FileNotFoundError(

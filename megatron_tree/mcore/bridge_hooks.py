@@ -30,16 +30,24 @@ def _apply_transforms(transforms: list[Callable[[Any], Any]], value: Any, what: 
     return value
 
 
-def _spec_hook_patches() -> list[AttrPatch]:
-    from mbridge.core.llm_bridge import LLMBridge
-
-    original = LLMBridge._get_transformer_layer_spec
+def _spec_hook_patch(cls: type) -> AttrPatch:
+    original = vars(cls)["_get_transformer_layer_spec"]
 
     @functools.wraps(original)
     def _get_transformer_layer_spec(self, vp_stage=None):
         return _apply_transforms(_SPEC_TRANSFORMS, original(self, vp_stage), "layer spec")
 
-    return [AttrPatch(LLMBridge, "_get_transformer_layer_spec", _get_transformer_layer_spec, "layer_spec_hook")]
+    return AttrPatch(cls, "_get_transformer_layer_spec", _get_transformer_layer_spec, "layer_spec_hook")
+
+
+def _spec_hook_patches() -> list[AttrPatch]:
+    from mbridge.core.llm_bridge import LLMBridge
+
+    from megatron_tree.mcore.bridges import BRIDGES
+
+    # Our bridges build their own (hybrid) spec without calling LLMBridge's, so each is wrapped too.
+    own = {next(c for c in cls.__mro__ if "_get_transformer_layer_spec" in vars(c)) for cls in BRIDGES.values()}
+    return [_spec_hook_patch(cls) for cls in (LLMBridge, *sorted(own - {LLMBridge}, key=lambda c: c.__name__))]
 
 
 def _model_hook_patches() -> list[AttrPatch]:
@@ -80,7 +88,8 @@ def layer_spec_hook(spec_transform: Callable[[Any], Any]) -> contextlib.Abstract
 
     Wraps ``LLMBridge._get_transformer_layer_spec`` (mbridge 0.15.1), which every registered
     LLM bridge inherits: Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, LLaMA, Mixtral, GLM4-MoE,
-    MiMo, DeepSeek-V3 (GLM4-VL overrides it but calls it first). What it returns -- and
+    MiMo, DeepSeek-V3 (GLM4-VL overrides it but calls it first), and the override of each of our
+    bridges (:mod:`megatron_tree.mcore.bridges`: Qwen3-Next, Qwen3.5). What it returns -- and
     ``spec_transform`` receives and must return -- is megatron-core's
     ``TransformerBlockSubmodules`` (``layer_specs``: one ``ModuleSpec`` per layer of this
     pipeline stage / virtual stage, ``layer_norm``: the final norm class), built for the

@@ -5,12 +5,15 @@ Only the self-attention's ``core_attention`` (-> :class:`~megatron_tree.attentio
 and its ``attn_mask_type`` (-> ``AttnMaskType.arbitrary``; with the default causal type, the
 stock fused softmax silently ignores a user mask) change; every other submodule — QKV/proj
 linears, q/k norms, MLP or MoE, layer norms — is kept as the upstream spec built it.
+Gated DeltaNet layers (hybrid models): megatron-core's ``GatedDeltaNet`` becomes
+:class:`~megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` (same submodules), ours stays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
@@ -21,6 +24,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from megatron_tree.attention import get_tree_attention_backend
 from megatron_tree.mcore.core_attention import TreeCoreAttention, TreeCoreAttentionTE, check_tree_attention_config
+from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet, check_gated_delta_net_config
+from megatron_tree.mcore.hybrid_spec import swap_gated_delta_net
 
 __all__ = ["tree_layer_spec"]
 
@@ -53,15 +58,19 @@ def _tree_layer(layer: ModuleSpec, index: int, backend: str) -> ModuleSpec:
             f"{type(getattr(layer, 'submodules', None)).__name__}"
         )
     attn = layer.submodules.self_attention
+    if isinstance(attn, ModuleSpec) and get_module(attn) in (GatedDeltaNet, TreeGatedDeltaNet):
+        return dataclasses.replace(
+            layer, submodules=dataclasses.replace(layer.submodules, self_attention=swap_gated_delta_net(attn))
+        )
     if not (
         isinstance(attn, ModuleSpec)
         and (get_module(attn), type(attn.submodules)) in _CONVERTIBLE
     ):
         raise ValueError(
             f"{where}: tree attention replaces the core attention of a standard SelfAttention or a "
-            f"multi-latent MLASelfAttention, but this layer's self_attention is {_module_name(attn)} "
-            f"(linear/gated-delta-net, hybrid and custom attentions cannot be converted); use a model "
-            f"with standard or multi-latent self-attention"
+            f"multi-latent MLASelfAttention (and runs Gated DeltaNet layers on the tree), but this layer's "
+            f"self_attention is {_module_name(attn)} (other linear-attention, state-space and custom mixers cannot "
+            f"be converted); use a model with standard, multi-latent or Gated DeltaNet token mixers"
         )
     tree_attn = dataclasses.replace(
         attn,
@@ -91,13 +100,16 @@ def tree_layer_spec(
     config   optional: also check the model config now (sliding window,
              softmax type, ...) instead of when the model is built.
 
-    Raises (never skips) for a layer whose attention is neither a standard ``SelfAttention`` nor
-    multi-latent attention (``MLASelfAttention``).
+    Gated DeltaNet layers get :class:`~megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet`. Raises (never
+    skips) for a layer whose token mixer is none of ``SelfAttention``, multi-latent attention (``MLASelfAttention``)
+    and Gated DeltaNet.
     The input spec is not modified.
     """
     get_tree_attention_backend(backend)
     if config is not None:
         check_tree_attention_config(config)
+        if config.experimental_attention_variant == "gated_delta_net":
+            check_gated_delta_net_config(config)
     if isinstance(spec, TransformerBlockSubmodules):
         return dataclasses.replace(
             spec,

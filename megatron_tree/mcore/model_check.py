@@ -17,11 +17,13 @@ from typing import Sequence
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 from megatron_tree.mcore.core_attention import TreeCoreAttention
+from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet
 from megatron_tree.mcore.rope import TreeRotaryEmbedding
 
 __all__ = ["check_tree_model"]
@@ -65,7 +67,14 @@ def _problems(chunk: torch.nn.Module) -> list[str]:
             )
         if isinstance(module, BaseTransformerLayer):
             attn = getattr(module, "self_attention", None)
-            if not isinstance(attn, IdentityOp) and not isinstance(getattr(attn, "core_attention", None), torch.nn.Module):
+            if isinstance(attn, GatedDeltaNet):
+                problems.append(
+                    f"{_path(name, 'self_attention')} is {_cls(attn)}, whose conv and recurrent state run in packed "
+                    f"order (tree_layer_spec swaps it for megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet)"
+                )
+            elif not isinstance(attn, IdentityOp | TreeGatedDeltaNet) and not isinstance(
+                getattr(attn, "core_attention", None), torch.nn.Module
+            ):
                 problems.append(
                     f"{_path(name, 'self_attention')} is {_cls(attn)}, which has no core_attention to "
                     f"replace by tree attention (linear, state-space or custom token mixers mix by packed order)"
@@ -94,7 +103,7 @@ def check_tree_model(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None
     multi-latent attention each attention layer's) is :class:`~megatron_tree.mcore.rope.TreeRotaryEmbedding`, every ``core_attention`` a
     :class:`~megatron_tree.attention.TreeCoreAttention` fed per-token positions
     (``positions_from_ids``), and every transformer layer's ``self_attention`` either such an
-    attention or ``IdentityOp``. The error names the first offending module (path inside the
+    attention, a :class:`~megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` or ``IdentityOp``. The error names the first offending module (path inside the
     chunk and class) and how many more there are. A chunk that passes is remembered (weakly,
     by identity) and not walked again.
     """

@@ -13,13 +13,29 @@ import torch
 
 __all__ = ["TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
 
-TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_5",
+              "qwen3_next")
 """The architectures :func:`tiny_hf_config` knows."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
                     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 """DeepSeek-V3's RoPE scaling (its checkpoints' ``rope_scaling``): YaRN, softmax scale and cos / sin scaled by mscale."""
+
+
+_GATED_DELTA_NET = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+)
+"""Qwen3.5's and Qwen3-Next's hybrid layers: 3 Gated DeltaNet layers (2 key heads of dim 16, 4 value heads of dim 8,
+conv width 4), then one gated full-attention layer (RoPE on a quarter of each head)."""
 
 
 _SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
@@ -116,6 +132,20 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 rope_parameters=_DEEPSEEK_V3_YARN,
             ),
         ),
+        "qwen3_5": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # Qwen3.5 text: hybrid layers, dense MLPs
+        "qwen3_next": (  # Qwen3-Next: hybrid layers; MoE with a sigmoid-gated shared expert, layer 1 dense
+            "Qwen3NextConfig",
+            dict(
+                **_GATED_DELTA_NET,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+            ),
+        ),
     }
     if arch not in per_arch:
         raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
@@ -144,11 +174,15 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     score-correction bias, 2 groups of which 1 is chosen, top-2, routed scaling 2.5, one shared expert;
     qk-norm, qkv biases, RoPE on half of each head), ``"deepseek_v3"`` (multi-latent attention: 4 heads,
     q rank 32, kv rank 24, q/k head dim 16 + RoPE 8, value head dim 12, YaRN as DeepSeek-V3 (factor 40,
-    mscale 1 / 1); layer 0 dense, then GLM-4.5's router and one shared expert; no MTP layers). Defaults: hidden 64,
+    mscale 1 / 1); layer 0 dense, then GLM-4.5's router and one shared expert; no MTP layers), ``"qwen3_5"`` (Qwen3.5
+    text: 4 layers, 3 Gated DeltaNet (2 key heads of dim 16, 4 value heads of dim 8, conv width 4) then one full
+    attention with an output gate, q/k norms and RoPE on a quarter of each head; zero-centred RMSNorms; dense MLPs),
+    ``"qwen3_next"`` (Qwen3-Next: the same layers, MoE of 4 experts of FFN 32, top-2, normalised, a shared expert of
+    FFN 32 behind a sigmoid gate; layer 1 dense). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
-    Every parameter is drawn from a ``seed``-ed generator, norm weights around 1 and
-    biases non-zero, so a weight mapped to the wrong place changes the logits.
+    Every parameter is drawn from a ``seed``-ed generator, norm weights around their initial value (1, or 0
+    for zero-centred norms) and biases non-zero, so a weight mapped to the wrong place changes the logits.
 
     Under ``torch.distributed`` only rank 0 writes; all ranks then meet at a barrier, so
     call it on every rank after :func:`megatron_tree.runtime.init_distributed`.
@@ -166,7 +200,8 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
             for name, param in model.named_parameters():
                 noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
                 is_norm = param.ndim == 1 and "norm" in name
-                param.copy_(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
+                # norms around their initial value: 1, or 0 for zero-centred ones (x / rms * (1 + w))
+                param.copy_(param.mean().round() + 0.2 * noise if is_norm else 0.1 * noise)
             for name, buffer in model.named_buffers():  # GLM-4.5's router score-correction bias is a buffer
                 if name.endswith("e_score_correction_bias"):
                     buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen, dtype=buffer.dtype))

@@ -48,6 +48,30 @@ def branching_forest(seed: int = 0) -> list[list[int]]:
     return seqs
 
 
+def recurrent_forest(seed: int = 0) -> list[list[int]]:
+    """Edge trees for recurrent (Gated DeltaNet) layers, whose conv window and state follow each root path.
+
+    - siblings ``p + [1] + 3``, ``p + [2] + 6`` (the long one laid out after the short one) and their strict
+      prefixes ``p`` and ``p + [2] + 3``;
+    - a comb: a 9-token chain ``c`` with a 2-token branch leaving it at every depth 1..8, and ``c`` itself;
+    - a chain longer than 64 tokens (one chunk of the chunked scan): 70 tokens, then two 3-token branches.
+    Token ids 1..3 sort before the random ones (>= 10), so short branches come first in DFS order.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, VOCAB, (n,), generator=gen).tolist()
+
+    prompt = rand(5)
+    long_branch = prompt + [2] + rand(6)
+    seqs = [prompt + [1] + rand(3), long_branch, prompt, long_branch[:9]]
+    comb = rand(9)
+    seqs += [comb[:depth] + [3] + rand(1) for depth in range(1, 9)] + [comb]
+    trunk = rand(70)
+    seqs += [trunk + [1] + rand(2), trunk + rand(3)]
+    return seqs
+
+
 def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
     """``pack_trees`` with a capacity that splits the forest into several micro-batches."""
     return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))
@@ -112,6 +136,45 @@ def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
         for sid, seq in enumerate(seqs):
             ids = torch.tensor(seq)[None]
             logp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+            out[sid] = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+def _fp64_chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                                 use_qk_l2norm_in_kernel=False, **kwargs):
+    """Hugging Face's ``torch_chunk_gated_delta_rule`` contract (``[B, L, H, *]``), computed token by token in fp64
+    (Hugging Face's own casts to fp32)."""
+    from megatron_tree.testing import gated_delta_rule_reference
+
+    assert initial_state is None and not output_final_state, "fp64 reference: whole sequences only (use_cache=False)"
+    q, k = query.double(), key.double()
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    group = value.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    out = [gated_delta_rule_reference(q[i], k[i], value[i], g[i], beta[i])[0] for i in range(q.shape[0])]
+    return torch.stack(out).to(query.dtype), None
+
+
+def hf_logprobs_fp64(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
+    """:func:`hf_logprobs` in fp64 throughout (the exact values fp32 runs round): the model in fp64, and for Gated
+    DeltaNet layers (Qwen3-Next, Qwen3.5) a per-token fp64 delta rule in place of Hugging Face's fp32 one."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    # eager experts: torch.nn.functional.grouped_mm has no fp64
+    hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float64,
+                                              experts_implementation="eager").eval()
+    out = {}
+    rule = "torch_chunk_gated_delta_rule"
+    with torch.no_grad(), mock.patch.object(modeling_qwen3_5, rule, _fp64_chunk_gated_delta_rule), \
+            mock.patch.object(modeling_qwen3_next, rule, _fp64_chunk_gated_delta_rule):
+        for sid, seq in enumerate(seqs):
+            ids = torch.tensor(seq)[None]
+            logp = torch.log_softmax(hf(ids, use_cache=False).logits[0, :-1], -1)
             out[sid] = logp.gather(-1, ids[0, 1:, None])[:, 0]
     return out
 

@@ -1,0 +1,30 @@
+"""mbridge bridges for model families mbridge 0.15.1 does not know, registered with mbridge's ``register_model``.
+
+- :mod:`~megatron_tree.mcore.bridges.qwen3_hybrid`: Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``),
+  hybrid Gated DeltaNet / gated full-attention models.
+
+:func:`register_bridges` makes ``AutoBridge.from_pretrained`` find them; :func:`megatron_tree.build_tree_model`,
+:func:`megatron_tree.build_flat_model` and :func:`megatron_tree.patch_bridge_for_tree_training` call it. Registering
+adds model types only: no mbridge behaviour for other types changes. Idempotent.
+"""
+
+from __future__ import annotations
+
+from megatron_tree.mcore.bridges.qwen3_hybrid import Qwen3NextBridge, Qwen35Bridge
+
+__all__ = ["BRIDGES", "Qwen35Bridge", "Qwen3NextBridge", "register_bridges"]
+
+BRIDGES = {"qwen3_next": Qwen3NextBridge, "qwen3_5_text": Qwen35Bridge}
+"""HF ``model_type`` -> our bridge class."""
+
+
+def register_bridges() -> None:
+    """Register :data:`BRIDGES` with mbridge (``AutoBridge`` then builds them); a type already registered (by mbridge
+    itself, a later release, or an earlier call) is left as it is."""
+    from mbridge import AutoBridge
+    from mbridge.core import register_model
+
+    known = set(AutoBridge.list_supported_models())
+    for model_type, cls in BRIDGES.items():
+        if model_type not in known:
+            register_model(model_type)(cls)

@@ -1,0 +1,197 @@
+"""Hybrid Gated DeltaNet models (Qwen3.5, Qwen3-Next) built by our mbridge bridges, on trees (CPU, fp32).
+
+- tree log-probs == Hugging Face run on each sequence alone (and so are the flat model's);
+- gradients of a weighted sum of them == the flat model run on each sequence alone, recompute none / full /
+  selective;
+- ``export_weights`` gives back the checkpoint's tensors under its names (GDN in_proj / conv layouts, the gated
+  q_proj, out_norm's ``w - 1``), and a model that ignores the tree in its GDN layers is caught;
+- TP=2, PP=2 and EP=2 over gloo (tests/scripts/gdn_parity_dist.py); context parallel is refused.
+
+The forest (``recurrent_forest``) has siblings, strict prefixes, a branch at every depth of a chain and a
+chain longer than one 64-token chunk of the scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from dist_utils import TorchrunCases
+from scripts.parity_common import (
+    build_model,
+    flat_logprobs,
+    hf_logprobs,
+    hf_logprobs_fp64,
+    max_diff,
+    micro_batches,
+    param_grads,
+    recurrent_forest,
+    relative_grad_error,
+    tree_logprobs,
+    weighted_sum,
+)
+
+from megatron_tree.mcore import bridge as bridge_module
+from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet
+from megatron_tree.mcore.model_check import check_tree_model
+from megatron_tree.runtime import save_tiny_hf_checkpoint, tiny_hf_config
+
+ARCHS = ("qwen3_5", "qwen3_next")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, cpu_megatron):
+    root = tmp_path_factory.mktemp("tiny_gdn")
+    return {arch: save_tiny_hf_checkpoint(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def forest():
+    seqs = recurrent_forest()
+    mbs = micro_batches(seqs, max_tokens=96)
+    assert len(mbs) > 1 and max(len(s) for s in seqs) > 64
+    return seqs, mbs
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoints, forest):
+    return {arch: hf_logprobs(path, forest[0]) for arch, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def hf64(checkpoints, forest):
+    return {arch: hf_logprobs_fp64(path, forest[0]) for arch, path in checkpoints.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_and_flat_logprobs_match_hf(arch, checkpoints, forest, hf, hf64):
+    """Against Hugging Face in fp64 (the values fp32 runs round) within 1e-5, as close as HF's own fp32 run is
+    (~6e-6 on the 72-token sequences: the recurrent layers' fp32 rounding); against HF fp32, two such roundings."""
+    seqs, mbs = forest
+    tree = build_model(checkpoints[arch], tree=True)[0].eval()
+    flat = build_model(checkpoints[arch], tree=False)[0].eval()
+    assert sum(isinstance(m, TreeGatedDeltaNet) for m in tree.modules()) == 3
+    check_tree_model(tree)
+    with torch.no_grad():
+        tree_lp, flat_lp = tree_logprobs(tree, mbs), flat_logprobs(flat, seqs)
+    hf_err = max_diff(hf[arch], hf64[arch])
+    tree_err, flat_err = max_diff(tree_lp, hf64[arch]), max_diff(flat_lp, hf64[arch])
+    print(f"{arch}: vs HF fp64: tree {tree_err:.3g}, flat {flat_err:.3g}, HF fp32 {hf_err:.3g}; "
+          f"tree vs HF fp32 {max_diff(tree_lp, hf[arch]):.3g}")
+    assert tree_err < TOL and flat_err < TOL and hf_err < TOL
+    assert max_diff(tree_lp, hf[arch]) < 2 * TOL
+
+
+@pytest.mark.parametrize("arch,recompute", [(a, r) for a in ARCHS for r in ("none", "full", "selective")])
+def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest):
+    seqs, mbs = forest
+    tree = build_model(checkpoints[arch], tree=True, recompute=recompute)[0].train()
+    flat = build_model(checkpoints[arch], tree=False)[0].train()
+    tree_lp = {}
+    for mb in mbs:  # forward and backward one micro-batch at a time, as training does
+        lp = tree_logprobs(tree, [mb])
+        weighted_sum(lp).backward()
+        tree_lp.update(lp)
+    flat_lp = flat_logprobs(flat, seqs)
+    weighted_sum(flat_lp).backward()
+    lp_err = max_diff(tree_lp, flat_lp)
+    tree_grads, flat_grads = param_grads(tree), param_grads(flat)
+    decay = {n for n in flat_grads if n.endswith(("self_attention.A_log", "self_attention.dt_bias"))}
+    grad_err = relative_grad_error({n: tree_grads[n] for n in flat_grads.keys() - decay},
+                                   {n: flat_grads[n] for n in flat_grads.keys() - decay})
+    decay_err = relative_grad_error({n: tree_grads[n] for n in decay}, {n: flat_grads[n] for n in decay})
+    print(f"{arch}/{recompute}: logprob {lp_err:.3g}, relative grad {grad_err:.3g}, A_log/dt_bias {decay_err:.3g}")
+    assert lp_err < TOL and grad_err < TOL
+    # A_log / dt_bias: one number per head, summed over every slot's decay gradient, which the chunked backward
+    # forms by reverse cumulative sums (fp32 cancellation, whatever the packing): 1.4e-5 measured on qwen3_next.
+    assert decay_err < 3 * TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_weights_gives_back_the_checkpoint(arch, checkpoints):
+    from safetensors.torch import load_file
+
+    path = checkpoints[arch]
+    want = load_file(f"{path}/model.safetensors")
+    bridge, chunks = bridge_module.build_tree_model(path)
+    got = dict(bridge.export_weights(chunks))
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    assert [k for k in want if not torch.equal(got[k].cpu(), want[k])] == []
+
+
+def test_tree_blind_gated_delta_net_is_caught(checkpoints, forest, hf):
+    """Fails if the GDN layers went back to packed order: each conv window and state must follow the root path."""
+    _, mbs = forest
+    model = build_model(checkpoints["qwen3_5"], tree=True)[0].eval()
+    layers = [m for m in model.modules() if isinstance(m, TreeGatedDeltaNet)]
+    forward = TreeGatedDeltaNet.forward
+    for layer in layers:  # each row causal in packed order
+        layer.forward = lambda h, attention_mask, *a, _f=forward, _m=layer, **k: _f(_m, h, None, *a, **k)
+    with torch.no_grad():
+        bad = max_diff(tree_logprobs(model, mbs), hf["qwen3_5"])
+    print(f"GDN in packed order: {bad:.3g}")
+    assert bad > 1e-3
+
+
+def test_megatron_gated_delta_net_is_refused(checkpoints):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    model = build_model(checkpoints["qwen3_5"], tree=True)[0]
+    next(m for m in model.modules() if isinstance(m, TreeGatedDeltaNet)).__class__ = GatedDeltaNet
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.self_attention' is megatron\.core\.ssm.*packed order"):
+        check_tree_model(model)
+
+
+def test_tree_layer_spec_swaps_megatron_gated_delta_net(checkpoints):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from megatron_tree import tree_layer_spec
+    from megatron_tree.mcore.hybrid_spec import hybrid_block_spec
+
+    bridge = bridge_module.build_tree_model(checkpoints["qwen3_5"], load_weights=False)[0]
+    block = hybrid_block_spec(bridge.config, use_transformer_engine=False)
+    def upstream_layer(layer):
+        attn = layer.submodules.self_attention
+        if attn.module is not TreeGatedDeltaNet:
+            return layer
+        attn = dataclasses.replace(attn, module=GatedDeltaNet)
+        return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
+
+    upstream = dataclasses.replace(block, layer_specs=[upstream_layer(layer) for layer in block.layer_specs])
+    converted = tree_layer_spec(upstream, config=bridge.config)
+    mixers = [layer.submodules.self_attention.module.__name__ for layer in converted.layer_specs]
+    assert mixers == ["TreeGatedDeltaNet"] * 3 + ["SelfAttention"]
+
+
+def test_context_parallel_is_refused(cpu_megatron):
+    from mbridge import AutoBridge
+    from mbridge.core.parallel_states import ParallelStates
+
+    from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.mcore.bridges import register_bridges
+
+    register_bridges()
+    states = dataclasses.replace(ParallelStates.get_default_parallel_states(), cp_size=2)
+    refusal = "context parallel size 2.*use context_parallel_size=1"
+    with apply_compat_patches(), pytest.raises(ValueError, match=refusal):
+        AutoBridge.from_config(tiny_hf_config("qwen3_5"), dtype=torch.float32, parallel_states=states)
+
+
+DIST_CASES = ["tp2:qwen3_5:full", "tp2:qwen3_5:selective", "ep2:qwen3_next:forward", "pp2:qwen3_5:full",
+              "pp2:qwen3_next:none"]
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    cases = {case: ("test_parallel_layouts", 2, "scripts/gdn_parity_dist.py", ["{tmp}", case]) for case in DIST_CASES}
+    return TorchrunCases(cases, tmp_path_factory.mktemp("gdn_dist"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", DIST_CASES)
+def test_parallel_layouts(dist_runs, request, case):
+    out = dist_runs.output(request, case)  # the script exits non-zero on a mismatch
+    print(re.search(rf"{re.escape(case)} logprob=\S+ grad=\S+", out).group(0))
