@@ -96,7 +96,12 @@ class TreeGatedDeltaNet(MegatronModule):
         use_qk_l2norm: bool = True,
         A_init_range: tuple[float, float] = (1, 16),
         pg_collection: ProcessGroupCollection | None = None,
+        *,
+        name: str | None = None,
+        cp_comm_type: str | None = None,
     ):
+        """megatron-core's arguments; ``name`` / ``cp_comm_type`` are what megatron-core >= 0.19 passes (the
+        submodules' names; context parallel is refused for GDN models when the config is built)."""
         super().__init__(config)
         check_gated_delta_net_config(config)
         if pg_collection is None:
@@ -132,7 +137,7 @@ class TreeGatedDeltaNet(MegatronModule):
         self.in_proj = build_module(
             submodules.in_proj, self.hidden_size, self.in_proj_dim, config=config, init_method=config.init_method,
             gather_output=False, bias=bias, skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fc1",
-            tp_group=pg_collection.tp,
+            tp_group=pg_collection.tp, **({} if name is None else {"name": f"{name}.in_proj"}),
         )
         # conv1d.weight [C, 1, K] (depthwise), as megatron-core's and Hugging Face's
         self.conv1d = torch.nn.Conv1d(
@@ -140,20 +145,22 @@ class TreeGatedDeltaNet(MegatronModule):
             groups=self.conv_dim_local_tp, padding=self.conv_kernel_dim - 1, bias=conv_bias, device=device,
             dtype=config.params_dtype,
         )
-        setattr(self.conv1d.weight, "tensor_model_parallel", True)
-        if conv_bias:
-            setattr(self.conv1d.bias, "tensor_model_parallel", True)
+        for param in (self.conv1d.weight, self.conv1d.bias) if conv_bias else (self.conv1d.weight,):
+            setattr(param, "tensor_model_parallel", True)
+            setattr(param, "partition_dim", 0)
         heads = dict(dtype=config.params_dtype, device=device)
         self.dt_bias = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, **heads))
         self.A_log = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, **heads))
         for param in (self.dt_bias, self.A_log):
             setattr(param, "tensor_model_parallel", True)
+            setattr(param, "partition_dim", 0)
         self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=self.value_head_dim,
                                      eps=config.layernorm_epsilon)
         self.out_proj = build_module(
             submodules.out_proj, self.v_dim, self.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True, skip_bias_add=True,
             is_expert=False, tp_comm_buffer_name="fc2", tp_group=pg_collection.tp,
+            **({} if name is None else {"name": f"{name}.out_proj"}),
         )
         self.reset_parameters()
 
