@@ -18,8 +18,9 @@ so ``U = U0 - W S0`` where ``U0``, ``W`` need no state; then
 chunks at once; a Python loop over the chunk index j carries the states (``U`` and ``S_end`` of the
 n_j sequences with a chunk j, one batched matmul each).
 
-On CUDA with flash-linear-attention installed (``fla.ops.gated_delta_rule``) its Triton kernels run
-instead; elsewhere the PyTorch path below (fp32 math, autograd backward).
+On CUDA, for bf16 / fp16 inputs, with flash-linear-attention installed (``fla.ops.gated_delta_rule``) its
+Triton kernels run instead (:data:`FLA_DTYPES`); elsewhere the PyTorch path below (fp32 math, autograd
+backward). fp32 never goes to fla: its Triton dots take TF32, which exactness checks in fp32 cannot have.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ try:
 except ImportError:
     _fla_chunk_gated_delta_rule = None
 
-__all__ = ["CHUNK", "chunk_gated_delta_rule", "unchecked_chunk_gated_delta_rule"]
+__all__ = ["CHUNK", "FLA_DTYPES", "chunk_gated_delta_rule", "unchecked_chunk_gated_delta_rule"]
+
+FLA_DTYPES = (torch.bfloat16, torch.float16)
+"""Input dtypes that run on fla's kernels on CUDA (``tests/linear_attention -m gpu`` compares them there:
+a tree through fla within 2x the error of fla on each root path alone, against the fp32 PyTorch path)."""
 
 CHUNK = 64
 
@@ -83,10 +88,11 @@ def unchecked_chunk_gated_delta_rule(
     lengths: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`chunk_gated_delta_rule` on inputs already checked, with the sequence ``lengths`` [N] on the host
-    (``cu_seqlens`` on the host, or B times T): fla's kernels on CUDA where fla imports, else PyTorch."""
+    (``cu_seqlens`` on the host, or B times T): fla's kernels for bf16 / fp16 on CUDA where fla imports, else
+    PyTorch."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if _fla_chunk_gated_delta_rule is not None and q.is_cuda:
+    if _fla_chunk_gated_delta_rule is not None and q.is_cuda and q.dtype in FLA_DTYPES:
         return _fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     b, t, h, _ = q.shape

@@ -111,34 +111,39 @@ def test_bad_inputs_are_refused_naming_the_tensor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_matches_the_torch_path_on_gpu(dtype, monkeypatch):
-    """fla's Triton kernels against the PyTorch path on the same CUDA tensors, varlen with initial states:
-    values, final states and gradients of q, k, v, g, beta, initial_state. fp32 (TF32 off): 1e-4; bf16:
-    within 5x the PyTorch path's own error on the bf16 inputs, both against the fp32 run on the fp32 inputs
-    (FlashAttention's rule)."""
-    if chunk_module._fla_chunk_gated_delta_rule is None:
-        pytest.skip("flash-linear-attention (fla-core >= 0.6) is not installed")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cu = torch.tensor([0, 100, 164, 500, 537], device="cuda")
+def test_fla_varlen_with_states_matches_fla_per_sequence_on_gpu():
+    """bf16 on CUDA runs fla: one varlen call with initial states is within 2x (FlashAttention's rule) the error of
+    fla called on each sequence alone (the flat path's kernel), both against the fp32 PyTorch path on the fp32
+    inputs: values, final states and gradients of q, k, v, g, beta, initial_state. fp32 on CUDA never runs fla
+    (its dots take TF32): it equals the CPU result. Prints fla's own fp32 error for the record."""
+    if not torch.cuda.is_available() or chunk_module._fla_chunk_gated_delta_rule is None:
+        pytest.skip("needs a CUDA GPU and flash-linear-attention (fla-core >= 0.6)")
+    cu = [0, 100, 164, 500, 537]
     inputs = [x.detach().cuda() for x in _inputs(1, 537, h=4, dk=64, dv=128, n_states=4)]
-    wo = torch.randn(1, 537, 4, 128, device="cuda")
-    wf = torch.randn(4, 4, 64, 128, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wo = torch.randn(1, 537, 4, 128, device="cuda", generator=gen)
+    wf = torch.randn(4, 4, 64, 128, device="cuda", generator=gen)
 
-    def run(xs):
+    def run(xs, fn=chunk_gated_delta_rule, split=False):
         xs = [x.clone().requires_grad_() for x in xs]
-        o, final = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+        if split:  # each sequence its own call
+            parts = [fn(*(x[:, a:b] for x in xs[:5]), initial_state=xs[5][n:n + 1], output_final_state=True)
+                     for n, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+            o, final = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
+        else:
+            o, final = fn(*xs[:5], initial_state=xs[5], output_final_state=True,
+                          cu_seqlens=torch.tensor(cu, device="cuda"))
         loss = (o.float() * wo).sum() + (final.float() * wf).sum()
         return [o, final, *torch.autograd.grad(loss, xs)]
 
-    low = [x.to(dtype) if i < 3 else x for i, x in enumerate(inputs)]  # q, k, v in dtype; g, beta, h0 fp32
-    fla = run(low)
-    with monkeypatch.context() as m:
-        m.setattr(chunk_module, "_fla_chunk_gated_delta_rule", None)
-        torch_low = run(low)
-        exact = run(inputs)
-    for name, a, b, e in zip("o final dq dk dv dg dbeta dh0".split(), fla, torch_low, exact):
-        if dtype == torch.float32:
-            assert rel_err(a, e) < 1e-4, (name, rel_err(a, e))
-        else:
-            assert rel_err(a, e) <= 5 * rel_err(b, e), (name, rel_err(a, e), rel_err(b, e))
+    exact = run(inputs)
+    cpu = run([x.cpu() for x in inputs])
+    for a, b in zip(exact, cpu):
+        assert rel_err(a.cpu(), b) < 1e-5
+    low = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]  # q, k, v bf16; g, beta, h0 fp32
+    varlen, alone = run(low), run(low, split=True)
+    fla32 = run(inputs, fn=chunk_module._fla_chunk_gated_delta_rule)
+    for name, a, b, e, f in zip("o final dq dk dv dg dbeta dh0".split(), varlen, alone, exact, fla32):
+        print(f"{name}: fla varlen bf16 {rel_err(a, e):.2e}, fla per sequence bf16 {rel_err(b, e):.2e}, "
+              f"fla fp32 {rel_err(f, e):.2e}")
+        assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6, name

@@ -122,31 +122,35 @@ def test_bad_inputs_are_refused_naming_the_tensor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_tree_matches_the_torch_path_on_gpu(dtype, monkeypatch):
-    """On CUDA with fla: the tree through fla's kernels against the PyTorch path (fp32: 1e-4 with TF32 off;
-    bf16: within 5x the PyTorch path's own error on the bf16 inputs, both against the fp32 run on the fp32 inputs)."""
-    if chunk_module._fla_chunk_gated_delta_rule is None:
-        pytest.skip("flash-linear-attention (fla-core >= 0.6) is not installed")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    end = CASES["handmade"]
+def test_fla_tree_within_twice_fla_per_path_on_gpu():
+    """bf16 on CUDA: the tree through fla (one varlen call per level, children from their parent's state) within 2x
+    the error of fla on every root path alone (the flat path users run), both against the fp32 PyTorch tree on the
+    fp32 inputs (equal to the CPU's): output and gradients of q, k, v, g, beta."""
+    if not torch.cuda.is_available() or chunk_module._fla_chunk_gated_delta_rule is None:
+        pytest.skip("needs a CUDA GPU and flash-linear-attention (fla-core >= 0.6)")
+    end = CASES["random-bushy"]
     layout = tree_scan_layout(end.cuda(), conv_kernel=4)
     inputs = [x.detach().cuda() for x in gdn_inputs(end.shape[0], heads=4, dk=64, dv=32)]
-    weight = torch.randn(end.shape[0], 4, 32, device="cuda")
+    weight = torch.randn(end.shape[0], 4, 32, generator=torch.Generator().manual_seed(5)).cuda()
 
-    def run(xs):
+    def tree(xs):
         xs = [x.clone().requires_grad_() for x in xs]
         o = tree_gated_delta_rule(*xs, layout)
         return [o, *torch.autograd.grad((o.float() * weight).sum(), xs)]
 
-    low = [x.to(dtype) for x in inputs]
-    fla = run(low)
-    with monkeypatch.context() as m:
-        m.setattr(chunk_module, "_fla_chunk_gated_delta_rule", None)
-        torch_low = run(low)
-        exact = run(inputs)
-    for name, a, b, e in zip("o dq dk dv dg dbeta".split(), fla, torch_low, exact):
-        if dtype == torch.float32:
-            assert rel_err(a, e) < 1e-4, name
-        else:
-            assert rel_err(a, e) <= 5 * rel_err(b, e), (name, rel_err(a, e), rel_err(b, e))
+    def paths(xs):
+        xs = [x.clone().requires_grad_() for x in xs]
+        o, loss = per_path(lambda *p: chunk_gated_delta_rule(*(x[None] for x in p))[0][0], end.cuda(), xs, weight)
+        return [o, *torch.autograd.grad(loss, xs)]
+
+    exact = tree(inputs)
+    cpu_layout = tree_scan_layout(end, conv_kernel=4)
+    cpu = [x.clone().cpu().requires_grad_() for x in inputs]
+    o = tree_gated_delta_rule(*cpu, cpu_layout)
+    for a, b in zip(exact, [o, *torch.autograd.grad((o * weight.cpu()).sum(), cpu)]):
+        assert rel_err(a.cpu(), b) < 1e-5
+    low = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
+    got, flat = tree(low), paths(low)
+    for name, a, b, e in zip("o dq dk dv dg dbeta".split(), got, flat, exact):
+        print(f"{name}: tree fla bf16 {rel_err(a, e):.2e}, per-path fla bf16 {rel_err(b, e):.2e}")
+        assert rel_err(a, e) <= 2 * rel_err(b, e) + 1e-6, name
