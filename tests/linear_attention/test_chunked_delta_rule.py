@@ -132,7 +132,7 @@ def test_fla_varlen_with_states_matches_fla_per_sequence_on_gpu():
             o, final = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
         else:
             o, final = fn(*xs[:5], initial_state=xs[5], output_final_state=True,
-                          cu_seqlens=torch.tensor(cu, device="cuda"))
+                          cu_seqlens=torch.tensor(cu, device=xs[0].device))
         loss = (o.float() * wo).sum() + (final.float() * wf).sum()
         return [o, final, *torch.autograd.grad(loss, xs)]
 

@@ -7,6 +7,7 @@ Everything runs on CPU in fp32 inside :func:`megatron_tree.runtime.cpu.cpu_mode`
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -126,13 +127,40 @@ def flat_logprobs(model, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
     return out
 
 
+_HF_LINEAR_ATTENTION_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                                 "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def hf_pytorch_linear_attention():
+    """Hugging Face's Gated DeltaNet layers on their pure-PyTorch kernels: with flash-linear-attention or
+    causal-conv1d installed (a GPU host), Hugging Face binds their Triton kernels at import, which cannot run
+    the CPU reference. Unwraps each bound kernel name of the qwen3_5 / qwen3_next modules to the PyTorch function
+    it decorates, for the block."""
+    from unittest import mock
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    with contextlib.ExitStack() as stack:
+        for module in (modeling_qwen3_5, modeling_qwen3_next):
+            for name in _HF_LINEAR_ATTENTION_KERNELS:
+                fn = getattr(module, name, None)
+                while fn is not None and hasattr(fn, "__wrapped__"):
+                    fn = fn.__wrapped__
+                if fn is not None:
+                    stack.enter_context(mock.patch.object(module, name, fn))
+        yield
+
+
 def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
-    """Log-probs of each sequence run alone through the Hugging Face model (eval, fp32)."""
+    """Log-probs of each sequence run alone through the Hugging Face model (eval, fp32; linear-attention layers on
+    Hugging Face's PyTorch kernels)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float32).eval()
     out = {}
-    with torch.no_grad():
+    with torch.no_grad(), hf_pytorch_linear_attention():
         for sid, seq in enumerate(seqs):
             ids = torch.tensor(seq)[None]
             logp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
@@ -170,7 +198,7 @@ def hf_logprobs_fp64(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Ten
                                               experts_implementation="eager").eval()
     out = {}
     rule = "torch_chunk_gated_delta_rule"
-    with torch.no_grad(), mock.patch.object(modeling_qwen3_5, rule, _fp64_chunk_gated_delta_rule), \
+    with torch.no_grad(), hf_pytorch_linear_attention(), mock.patch.object(modeling_qwen3_5, rule, _fp64_chunk_gated_delta_rule), \
             mock.patch.object(modeling_qwen3_next, rule, _fp64_chunk_gated_delta_rule):
         for sid, seq in enumerate(seqs):
             ids = torch.tensor(seq)[None]
