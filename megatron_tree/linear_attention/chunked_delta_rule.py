@@ -18,10 +18,10 @@ so ``U = U0 - W S0`` where ``U0``, ``W`` need no state; then
 chunks at once; a Python loop over the chunk index j carries the states (``U`` and ``S_end`` of the
 n_j sequences with a chunk j, one batched matmul each).
 
-On CUDA, for bf16 / fp16 inputs, with flash-linear-attention installed (``fla.ops.gated_delta_rule``) its
-Triton kernels run instead (:data:`FLA_DTYPES`); elsewhere the PyTorch path below (fp32 math, autograd
-backward). fp32 never goes to fla: its Triton dots take TF32, which exactness checks in fp32 cannot have.
-"""
+flash-linear-attention's Triton kernels (``fla.ops.gated_delta_rule``) run only for the input dtypes of
+:data:`FLA_DTYPES`, on CUDA, where fla imports: none yet, as no GPU test has compared them (fla 0.6.0's varlen
+backward hit an illegal memory access in our tree test on an H200); elsewhere the PyTorch path below (fp32
+math, autograd backward), exact on CPU and GPU. fp32 never goes to fla: its Triton dots take TF32."""
 
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ except ImportError:
 
 __all__ = ["CHUNK", "FLA_DTYPES", "chunk_gated_delta_rule", "unchecked_chunk_gated_delta_rule"]
 
-FLA_DTYPES = (torch.bfloat16, torch.float16)
-"""Input dtypes that run on fla's kernels on CUDA (``tests/linear_attention -m gpu`` compares them there:
-a tree through fla within 2x the error of fla on each root path alone, against the fp32 PyTorch path)."""
+FLA_DTYPES: tuple[torch.dtype, ...] = ()
+"""Input dtypes that run on fla's kernels on CUDA: those a GPU run of ``tests/linear_attention -m gpu`` with
+``MEGATRON_TREE_FLA_CHECK=1`` passed (a tree through fla within 2x the error of fla on each root path alone,
+against the fp32 PyTorch path). None yet: the first run (fla 0.6.0, H200, triton 3.6) stopped at an illegal
+memory access in fla's varlen backward."""
 
 CHUNK = 64
 

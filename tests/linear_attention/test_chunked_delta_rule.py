@@ -1,10 +1,12 @@
 """chunk_gated_delta_rule (the PyTorch path on CPU): against the fp64 per-token loop (values, final states and
 gradients of q, k, v, g, beta, initial_state), against Hugging Face's ``torch_recurrent_gated_delta_rule`` and
 ``torch_chunk_gated_delta_rule`` (an outside oracle), varlen ``cu_seqlens`` against one call per sequence,
-and refusals naming the tensor. ``gpu``: fla's kernels against the PyTorch path, fp32 and bf16.
+and refusals naming the tensor. ``gpu``: fla's kernels (bf16) against fla per sequence, opt-in while fla is off.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -111,13 +113,17 @@ def test_bad_inputs_are_refused_naming_the_tensor():
 
 
 @pytest.mark.gpu
-def test_fla_varlen_with_states_matches_fla_per_sequence_on_gpu():
+def test_fla_varlen_with_states_matches_fla_per_sequence_on_gpu(monkeypatch):
     """bf16 on CUDA runs fla: one varlen call with initial states is within 2x (FlashAttention's rule) the error of
     fla called on each sequence alone (the flat path's kernel), both against the fp32 PyTorch path on the fp32
     inputs: values, final states and gradients of q, k, v, g, beta, initial_state. fp32 on CUDA never runs fla
     (its dots take TF32): it equals the CPU result. Prints fla's own fp32 error for the record."""
     if not torch.cuda.is_available() or chunk_module._fla_chunk_gated_delta_rule is None:
         pytest.skip("needs a CUDA GPU and flash-linear-attention (fla-core >= 0.6)")
+    if not os.environ.get("MEGATRON_TREE_FLA_CHECK"):
+        pytest.skip("fla is off (chunked_delta_rule.FLA_DTYPES is empty: its first H200 run stopped at an illegal memory "
+                    "access in fla's varlen backward, which poisons the CUDA context); MEGATRON_TREE_FLA_CHECK=1 runs this check")
+    monkeypatch.setattr(chunk_module, "FLA_DTYPES", (torch.bfloat16, torch.float16))
     cu = [0, 100, 164, 500, 537]
     inputs = [x.detach().cuda() for x in _inputs(1, 537, h=4, dk=64, dv=128, n_states=4)]
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -7,6 +7,8 @@ gradients of siblings add up at the branch point; bad inputs are refused naming 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gdn_trees import gdn_inputs, per_path, rel_err, tree_cases
@@ -122,12 +124,16 @@ def test_bad_inputs_are_refused_naming_the_tensor():
 
 
 @pytest.mark.gpu
-def test_fla_tree_within_twice_fla_per_path_on_gpu():
+def test_fla_tree_within_twice_fla_per_path_on_gpu(monkeypatch):
     """bf16 on CUDA: the tree through fla (one varlen call per level, children from their parent's state) within 2x
     the error of fla on every root path alone (the flat path users run), both against the fp32 PyTorch tree on the
     fp32 inputs (equal to the CPU's): output and gradients of q, k, v, g, beta."""
     if not torch.cuda.is_available() or chunk_module._fla_chunk_gated_delta_rule is None:
         pytest.skip("needs a CUDA GPU and flash-linear-attention (fla-core >= 0.6)")
+    if not os.environ.get("MEGATRON_TREE_FLA_CHECK"):
+        pytest.skip("fla is off (chunked_delta_rule.FLA_DTYPES is empty: its first H200 run stopped at an illegal memory "
+                    "access in fla's varlen backward, which poisons the CUDA context); MEGATRON_TREE_FLA_CHECK=1 runs this check")
+    monkeypatch.setattr(chunk_module, "FLA_DTYPES", (torch.bfloat16, torch.float16))
     end = CASES["random-bushy"]
     layout = tree_scan_layout(end.cuda(), conv_kernel=4)
     inputs = [x.detach().cuda() for x in gdn_inputs(end.shape[0], heads=4, dk=64, dv=32)]
