@@ -110,3 +110,60 @@ def test_dropping_the_context_gradients_is_detected(checkpoints, batch, monkeypa
     err = relative_grad_error(chunked_step(tree, mbs, seqs), want)
     print(f"without the context gradients: relative grad {err:.3g}")
     assert err > 1e-2
+
+
+def piece_rows_step(model, seqs, mbs):
+    """The flat step with the chunks' grouping (MoE router statistics' reference): micro-batch c of the upstream
+    model holds, per sequence part in chunk c, the sequence up to one token past the part as a row whose tokens
+    outside the part are masked as padding (their router statistics do not count; causal attention still reads
+    the tokens before the part), and the part's targets as its loss."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from scripts.router_stats_parity import _step
+
+    from megatron_tree.ops.logprobs import vocab_parallel_logprobs
+
+    def items():
+        for mb in mbs:
+            rows = []
+            for sid, start, n, end in zip(mb.sequence_ids, mb.target_starts, mb.seq_lens, mb.sequence_ends):
+                rows.append((seqs[sid][: start + n + (not end)], start, n, n - end))
+            width = max(len(r[0]) for r in rows)
+            tokens = torch.zeros(len(rows), width, dtype=torch.long)
+            pad = torch.ones(len(rows), width, dtype=torch.bool)
+            for r, (row, start, n, _) in enumerate(rows):
+                tokens[r, : len(row)] = torch.as_tensor(row)
+                pad[r, start : start + n] = False
+            yield tokens, pad, rows
+
+    def forward_step(data_iterator, chunk):
+        tokens, pad, rows = next(data_iterator)
+        b, width = tokens.shape
+        output = chunk(tokens, torch.arange(width)[None].expand(b, width), None, padding_mask=pad)
+
+        def loss_func(logits):
+            slots = torch.cat([r * width + torch.arange(s, s + t) for r, (_, s, _, t) in enumerate(rows)])
+            labels = torch.cat([tokens[r, s + 1 : s + t + 1] for r, (_, s, _, t) in enumerate(rows)])
+            loss = -vocab_parallel_logprobs(logits.reshape(b * width, -1), slots, labels).sum()
+            count = torch.tensor(labels.numel(), dtype=torch.int)
+            return loss, count, {"loss": torch.stack([loss.detach(), count.float()])}
+
+        return output, loss_func
+
+    return _step(model, lambda: get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=items(), model=model[0], num_microbatches=len(mbs),
+        seq_length=max(map(len, seqs)), micro_batch_size=1, forward_only=False))
+
+
+@pytest.mark.parametrize("case", ["all", "z_loss"])
+def test_chunked_router_statistics_equal_the_flat_step_with_the_same_grouping(case, checkpoints, batch):
+    """MoE aux / seq-aux / global-aux losses and z-loss with large coefficients: the chunked step's loss, gradients,
+    logged values and router token counts equal the flat step whose micro-batch c holds chunk c's sequence parts."""
+    from scripts.router_stats_parity import build, compare, tree_step
+
+    seqs, mbs = batch
+    path = checkpoints["qwen3_moe"]
+    got = tree_step(build(path, case), mbs)
+    want = piece_rows_step(build(path, case, tree=False), seqs, mbs)
+    errors = compare(got, want)
+    print(f"{case}: {errors}")
+    assert max(errors.values()) < TOL, errors
