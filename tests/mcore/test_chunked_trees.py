@@ -167,3 +167,15 @@ def test_chunked_router_statistics_equal_the_flat_step_with_the_same_grouping(ca
     errors = compare(got, want)
     print(f"{case}: {errors}")
     assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("layout,match", [
+    (dict(pp=2, cp=1, thd=False), "pipeline parallel \\(2 stages\\)"),
+    (dict(pp=1, cp=2, thd=False), "context parallel \\(2 ranks\\)"),
+    (dict(pp=1, cp=1, thd=True), "the flat THD path"),
+])
+def test_layouts_that_cannot_run_chunks_are_refused(layout, match, batch):
+    from megatron_tree.mcore.schedule import _check_chunks_runnable
+
+    with pytest.raises(ValueError, match=f"cannot run here: {match}.*pack with chunk_trees=False"):
+        _check_chunks_runnable(batch[1], **layout)
