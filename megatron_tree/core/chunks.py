@@ -43,8 +43,10 @@ def chunk_bounds(forest: TokenForest, capacity: int, attention_weight: float = A
     (a slot at depth d attends to d + 1 keys, context included)."""
     g = forest.num_tokens
     k = -(-g // capacity)
-    cost = np.cumsum(1.0 + attention_weight * (forest.depth + 1))
-    wanted = np.searchsorted(cost, cost[-1] * np.arange(1, k) / k) + 1
+    cost = np.concatenate([[0.0], np.cumsum(1.0 + attention_weight * (forest.depth + 1))])  # cost of slots < i
+    target = cost[-1] * np.arange(1, k) / k
+    right = np.searchsorted(cost, target)  # the first boundary at or past each target; the nearer of it and
+    wanted = right - (target - cost[right - 1] < cost[right] - target)  # the one before
     bounds = [0]
     for cut in wanted.tolist():  # balanced cuts, each chunk kept within capacity
         bounds.append(min(max(cut, bounds[-1] + 1), bounds[-1] + capacity))
