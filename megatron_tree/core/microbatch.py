@@ -144,6 +144,14 @@ class TreeMicroBatch:
         seg = np.cumsum(counts) - counts
         return np.repeat(first - seg, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
+    def gather_targets(self, per_sequence) -> torch.Tensor:
+        """``[N]``: each held sequence's entries here out of ``per_sequence[i]``, a ``[len_i - 1]`` tensor per input
+        sequence i (old log-probs, advantages, loss masks), concatenated in output order (a chunk's parts:
+        their ``target_starts`` onwards)."""
+        starts = self.target_starts or [0] * len(self.seq_lens)
+        pieces = [per_sequence[i][s : s + n] for i, s, n in zip(self.sequence_ids, starts, self.target_counts)]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
     def padded_to(self, length: int, pad_token_id: int = 0) -> "TreeMicroBatch":
         """Copy padded with extra slots up to ``length`` slots (each padding slot sees only itself)."""
         t = self.num_slots

@@ -139,13 +139,6 @@ def make_scheduler(cfg: RunConfig, optimizer):
     )
 
 
-def _range_gather(offsets: np.ndarray, ids: list[int]) -> torch.Tensor:
-    """Indices [sum len] of the ranges ``[offsets[i], offsets[i+1])`` for ``i`` in ``ids``, concatenated."""
-    ids = np.asarray(ids, dtype=np.int64)
-    starts, lens = offsets[ids], offsets[ids + 1] - offsets[ids]
-    return torch.from_numpy(np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum()))
-
-
 def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, policy_old: torch.Tensor | None = None):
     """``loss_fn(logprobs [N], mb) -> (loss_sum, loss tokens)`` for this rank's share ``mine`` of
     ``batch`` (``mb.sequence_ids`` index ``mine``): token-normalised SFT or PPO-clip (+ k3 KL). The PPO ratio's
@@ -167,7 +160,7 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
     advantages = torch.from_numpy(batch.advantages[mine])
 
     def loss_fn(logprobs, mb):
-        index = _range_gather(offsets, mb.sequence_ids)
+        index = torch.from_numpy(mb.target_index(offsets))  # a chunk holds parts of sequences
 
         def at(t):
             return None if t is None else t[index].to(logprobs.device)
