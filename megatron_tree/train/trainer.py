@@ -399,9 +399,15 @@ class Trainer:
         self.vocab = self.bridge.hf_config.vocab_size
         p, mb = cfg.parallel, cfg.micro_batch
         divisor = (self.model[0].config.microbatch_group_size_per_vp_stage or p.pp) if p.vpp else 1
-        self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor))
+        # Chunks of trees larger than a micro-batch need the tree model, one pipeline stage, no context parallel.
+        chunk = mb.chunk_trees and self.tree_model and p.pp == 1 and p.cp == 1
+        if mb.chunk_trees and not chunk:
+            self._info("micro_batch.chunk_trees is off: chunks run with pipeline and context parallel size 1 and the "
+                       "tree model only; a tree larger than a micro-batch is split with its shared path recomputed")
+        self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor),
+                                       chunk_trees=chunk)
         self.source = open_rollout_source(
-            cfg.data, vocab=self.vocab, max_len=mb.max_tokens_per_mb, seed=cfg.train.seed,
+            cfg.data, vocab=self.vocab, max_len=None if chunk else mb.max_tokens_per_mb, seed=cfg.train.seed,
             need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.loss == "grpo" and cfg.train.kl_coef > 0,
         )
         if cfg.checkpoint.load:
