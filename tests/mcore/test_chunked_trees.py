@@ -83,8 +83,8 @@ def chunked_step(model, mbs, seqs):
     return param_grads(model)
 
 
-@pytest.mark.parametrize("arch,recompute", [("qwen3", "none"), ("qwen3", "full"), ("qwen3", "selective"),
-                                            ("qwen3_moe", "full")])
+@pytest.mark.parametrize("arch,recompute", [("qwen3", "none"), *(pytest.param(*case, marks=pytest.mark.slow) for case in
+                                            [("qwen3", "full"), ("qwen3", "selective"), ("qwen3_moe", "full")])])
 def test_chunked_tree_equals_each_sequence_alone(arch, recompute, checkpoints, batch):
     seqs, mbs = batch
     tree = build_model(checkpoints[arch], tree=True, recompute=recompute)[0].train()
@@ -99,6 +99,7 @@ def test_chunked_tree_equals_each_sequence_alone(arch, recompute, checkpoints, b
     assert lp_err < TOL and grad_err < TOL
 
 
+@pytest.mark.slow
 def test_dropping_the_context_gradients_is_detected(checkpoints, batch, monkeypatch):
     """The ancestors' dK / dV from later chunks matter: without them the gradients are far off."""
     seqs, mbs = batch
@@ -154,6 +155,7 @@ def piece_rows_step(model, seqs, mbs):
         seq_length=max(map(len, seqs)), micro_batch_size=1, forward_only=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["all", "z_loss"])
 def test_chunked_router_statistics_equal_the_flat_step_with_the_same_grouping(case, checkpoints, batch):
     """MoE aux / seq-aux / global-aux losses and z-loss with large coefficients: the chunked step's loss, gradients,
