@@ -89,7 +89,7 @@ def pack_trees(
     else:
         items, costs = plan_items(build_forest(seqs), plan_cap) if seqs else ([], [])
     if spec.granularity > 1:
-        items, costs = _merge_granules(items, costs, seqs, spec.granularity, cap, spec.chunk_trees)
+        items, costs = _merge_granules(items, costs, seqs, spec.granularity, cap, spec.chunk_trees, share_prefixes)
     big = [i for i, c in enumerate(costs) if c > cap]  # only with chunk_trees
     small = [i for i, c in enumerate(costs) if c <= cap]
     k = _bin_count([costs[i] for i in small], spec, cap, dp_group, len(big))
@@ -175,10 +175,11 @@ def plan_items(forest: TokenForest, capacity: int) -> tuple[list[np.ndarray], li
 
 
 def _merge_granules(
-    items: list[np.ndarray], costs: list[int], seqs: list[np.ndarray], g: int, capacity: int, chunk: bool = False
+    items: list[np.ndarray], costs: list[int], seqs: list[np.ndarray], g: int, capacity: int, chunk: bool = False,
+    share: bool = True,
 ) -> tuple[list[np.ndarray], list[int]]:
     """Merge items that hold sequences of the same granule (inputs ``[k*g, (k+1)*g)``); ``chunk``: a merged
-    item may exceed ``capacity`` (it becomes chunks)."""
+    item may exceed ``capacity`` (it becomes chunks); ``share=False``: items are chains, their costs add up."""
     parent = list(range(len(items)))
 
     def find(x: int) -> int:
@@ -201,14 +202,14 @@ def _merge_granules(
     for group in merged.values():
         members = np.concatenate([items[i] for i in group])
         cost = sum(costs[i] for i in group)
-        if cost > capacity:
+        if cost > capacity and share:  # the merged items may share prefixes across them
             cost = build_forest([seqs[i] for i in members.tolist()]).num_tokens
-            if cost > capacity and not chunk:
-                raise ValueError(
-                    f"granularity={g} keeps sequences {sorted(members.tolist())[:8]}... together, but "
-                    f"they hold {cost} unique tokens, more than max_tokens_per_mb={capacity}; lower "
-                    f"granularity, raise max_tokens_per_mb or pack with MicroBatchSpec(chunk_trees=True)"
-                )
+        if cost > capacity and not chunk:
+            raise ValueError(
+                f"granularity={g} keeps sequences {sorted(members.tolist())[:8]}... together, but "
+                f"they hold {cost} {'unique ' if share else ''}tokens, more than max_tokens_per_mb={capacity}; lower "
+                f"granularity, raise max_tokens_per_mb or pack with MicroBatchSpec(chunk_trees=True)"
+            )
         out_items.append(members)
         out_costs.append(int(cost))
     return out_items, out_costs

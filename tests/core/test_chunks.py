@@ -126,3 +126,17 @@ def test_trees_that_fit_are_packed_as_before():
     before, after = pack_trees(seqs, spec), pack_trees(seqs, MicroBatchSpec.new(spec, chunk_trees=True))
     assert [mb.sequence_ids for mb in before] == [mb.sequence_ids for mb in after]
     assert all(torch.equal(a.attention_mask, b.attention_mask) and b.chunk is None for a, b in zip(before, after))
+
+
+@settings(max_examples=40, deadline=None)
+@given(any_batch, st.integers(2, 9), st.integers(2, 4), st.booleans())
+def test_granules_and_chains_larger_than_a_micro_batch_run_in_chunks(seqs, cap, granularity, share):
+    """Granules kept together beyond the capacity, and the flat layout (each sequence a chain), become chunks."""
+    spec = MicroBatchSpec(max_tokens_per_mb=cap, granularity=granularity, chunk_trees=True)
+    mbs = pack_trees(seqs, spec, share_prefixes=share)
+    check_chunked(seqs, mbs, spec)
+    for mb in mbs:  # a granule's sequences share one micro-batch or one chunked tree
+        step = (mb.chunk.group, -1) if mb.chunk else (-1, id(mb))
+        for sid in mb.sequence_ids:
+            assert step == next((m.chunk.group, -1) if m.chunk else (-1, id(m)) for m in mbs
+                                if any(s // granularity == sid // granularity for s in m.sequence_ids))

@@ -11,7 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scripts.parity_common import VOCAB, build_model, flat_logprobs, max_diff, param_grads, relative_grad_error, weighted_sum
+from scripts.parity_common import (
+    SLIDING_WINDOW_CASES,
+    VOCAB,
+    build_model,
+    flat_logprobs,
+    max_diff,
+    param_grads,
+    relative_grad_error,
+    weighted_sum,
+)
 
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.mcore import chunk_context
@@ -80,6 +89,7 @@ def chunked_step(model, mbs, seqs):
         tree_forward_backward([model], mbs, weighted_loss_fn(seqs))
     finally:
         config.finalize_model_grads_func = None
+    assert not chunk_context._LINKS  # every chunk's kept keys and values were released
     return param_grads(model)
 
 
@@ -97,6 +107,29 @@ def test_chunked_tree_equals_each_sequence_alone(arch, recompute, checkpoints, b
     grad_err = relative_grad_error(chunked_step(tree, mbs, seqs), param_grads(flat))
     print(f"{arch}/{recompute}: {len(mbs)} chunks of <= {CAPACITY} slots: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
     assert lp_err < TOL and grad_err < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+def test_sliding_window_and_entropy_in_chunks(tmp_path, cpu_megatron, batch):
+    """Qwen2 with a sliding window of 4 on its second layer: chunked log-probs and gradients equal each sequence
+    alone (the window's depths come from the context mask), and the entropies equal those of whole trees."""
+    seqs, mbs = batch
+    arch, overrides = SLIDING_WINDOW_CASES["qwen2_swa"]
+    path = save_tiny_hf_checkpoint(arch, tmp_path, **overrides)
+    tree = build_model(path, tree=True)[0].train()
+    flat = build_model(path, tree=False)[0].train()
+    whole = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4096))
+    with torch.no_grad():
+        lp, ent = tree_forward_only([tree], mbs, with_entropy=True)
+        lp_whole, ent_whole = tree_forward_only([tree], whole, with_entropy=True)
+    want = flat_logprobs(flat, seqs)
+    weighted_sum(want).backward()
+    lp_err = max_diff(dict(enumerate(lp)), want)
+    ent_err = max_diff(dict(enumerate(ent)), dict(enumerate(ent_whole)))
+    grad_err = relative_grad_error(chunked_step(tree, mbs, seqs), param_grads(flat))
+    print(f"qwen2_swa: logprob {lp_err:.3g}, entropy vs whole trees {ent_err:.3g}, relative grad {grad_err:.3g}")
+    assert lp_err < TOL and ent_err < TOL and grad_err < TOL and max_diff(dict(enumerate(lp_whole)), want) < TOL
 
 
 @pytest.mark.slow
