@@ -53,7 +53,7 @@ def long_branching_batch(seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, cpu_megatron):
     root = tmp_path_factory.mktemp("tiny_hf_chunks")
-    return {arch: save_tiny_hf_checkpoint(arch, root / arch) for arch in ("qwen3", "qwen3_moe")}
+    return {arch: save_tiny_hf_checkpoint(arch, root / arch) for arch in ("qwen3", "qwen3_moe", "deepseek_v3")}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,8 @@ def chunked_step(model, mbs, seqs):
 
 
 @pytest.mark.parametrize("arch,recompute", [("qwen3", "none"), *(pytest.param(*case, marks=pytest.mark.slow) for case in
-                                            [("qwen3", "full"), ("qwen3", "selective"), ("qwen3_moe", "full")])])
+                                            [("qwen3", "full"), ("qwen3", "selective"), ("qwen3_moe", "full"),
+                                             ("deepseek_v3", "full")])])
 def test_chunked_tree_equals_each_sequence_alone(arch, recompute, checkpoints, batch):
     seqs, mbs = batch
     tree = build_model(checkpoints[arch], tree=True, recompute=recompute)[0].train()
