@@ -32,26 +32,36 @@ import torch
 from megatron_tree.core.microbatch import TreeChunk, TreeMicroBatch
 from megatron_tree.core.tree import TokenForest, build_forest, chain_forest
 
-ATTENTION_WEIGHT = 1 / (6 * 4096)
-"""Cost of one (query, key) pair relative to one token's linear layers (hidden size 4096; see
-:mod:`megatron_tree.core.balance`), for balancing the chunks of a tree."""
+def ancestors_before(forest: TokenForest, a: int) -> np.ndarray:
+    """The ancestors of slot ``a`` (the root path above it), ascending: int64 ``[depth[a]]``; a walk up the nodes."""
+    u = int(np.searchsorted(forest.node_start, a, side="right")) - 1
+    parts = [np.arange(int(forest.node_start[u]), a)]
+    v = int(forest.node_parent[u])
+    while v >= 0:
+        parts.append(np.arange(int(forest.node_start[v]), int(forest.node_start[v] + forest.node_len[v])))
+        v = int(forest.node_parent[v])
+    return np.concatenate(parts[::-1])
 
 
-def chunk_bounds(forest: TokenForest, capacity: int, attention_weight: float = ATTENTION_WEIGHT) -> np.ndarray:
-    """Chunk boundaries ``[0, b_1, ..., G]`` (int64 ``[k + 1]``): ``k = ceil(G / capacity)`` contiguous slot
-    ranges of at most ``capacity`` slots, balanced on cost = tokens + ``attention_weight`` x (query, key) pairs
-    (a slot at depth d attends to d + 1 keys, context included)."""
+def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
+    """Chunk boundaries ``[0, b_1, ..., G]`` (int64 ``[k + 1]``), each chunk at most ``capacity`` slots.
+
+    A cut ``b`` (chunk ``[a, b)``) is *free* where the chunk exports nothing (no slot of it is an ancestor of
+    ``b``: a new subtree hangs from an earlier chunk there, the next sample of a prompt), so no later chunk keeps
+    the chunk waiting: its backward runs right after its forward. Each cut is the last free one in
+    ``a + ceil(capacity / 2) .. a + capacity``; else the last free one before (a short chunk that brings the cuts
+    back onto the subtrees); else ``a + capacity`` (inside one long sequence nothing is free).
+    """
     g = forest.num_tokens
-    k = -(-g // capacity)
-    cost = np.concatenate([[0.0], np.cumsum(1.0 + attention_weight * (forest.depth + 1))])  # cost of slots < i
-    target = cost[-1] * np.arange(1, k) / k
-    right = np.searchsorted(cost, target)  # the first boundary at or past each target; the nearer of it and
-    wanted = right - (target - cost[right - 1] < cost[right] - target)  # the one before
     bounds = [0]
-    for cut in wanted.tolist():  # balanced cuts, each chunk kept within capacity
-        bounds.append(min(max(cut, bounds[-1] + 1), bounds[-1] + capacity))
     while g - bounds[-1] > capacity:
-        bounds.append(bounds[-1] + capacity)
+        a = bounds[-1]
+        above = np.sort(forest.subtree_end[ancestors_before(forest, a)])  # ends of a's ancestors
+        cuts = np.arange(a + 1, a + capacity + 1)
+        shared = above.shape[0] - np.searchsorted(above, cuts, side="right")  # ancestors of a still open at b
+        free = cuts[forest.depth[cuts] == shared]  # none of b's ancestors inside [a, b)
+        full = free[free >= a + -(-capacity // 2)]
+        bounds.append(int(full[-1]) if full.size else int(free[-1]) if free.size else a + capacity)
     bounds.append(g)
     return np.asarray(bounds, np.int64)
 
@@ -89,7 +99,7 @@ def build_chunks(
     out = []
     for c in range(k):
         a, b = int(bounds[c]), int(bounds[c + 1])
-        ctx = np.flatnonzero(end[:a] > a)  # ancestors of slot a before it: root first
+        ctx = ancestors_before(forest, a)  # the context: root first
         exp = a + np.flatnonzero(end[a:b] > b)  # ancestors of slot b inside the chunk
         src = np.searchsorted(starts, ctx, side="right") - 1
         chunk_ids, counts = np.unique(src, return_counts=True)

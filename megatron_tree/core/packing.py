@@ -21,9 +21,10 @@ Plan on the global prefix forest, then build each micro-batch's own forest:
 
 With ``chunk_trees`` nothing is split at branch points: every root tree is an item, and an item
 larger than ``max_tokens_per_mb`` (a tree, or the trees one granule keeps together) becomes a run
-of *chunks* (:func:`build_chunks`): its DFS slot range cut into ``ceil(T / capacity)`` contiguous
-ranges of balanced cost (tokens + attention pairs), each a micro-batch whose queries also attend to
-its context, the ancestors of its first slot computed by earlier chunks. No token is computed twice.
+of *chunks* (:func:`build_chunks`): its DFS slot range cut into contiguous ranges of half to all of the
+capacity where they export the fewest keys and values to later chunks, each a micro-batch whose queries
+also attend to its context, the ancestors of its first slot computed by earlier chunks. No token is
+computed twice.
 The chunks of a tree follow the bins' micro-batches, consecutively, and count as one micro-batch
 (one step of Megatron's schedule) for ``n_mbs``, ``n_mbs_divisor`` and the data-parallel count.
 """

@@ -117,7 +117,7 @@ def test_a_sequence_longer_than_a_micro_batch_is_refused_without_chunks():
     with pytest.raises(ValueError, match="more than max_tokens_per_mb=4.*MicroBatchSpec\\(chunk_trees=True\\)"):
         pack_trees([list(range(9))], MicroBatchSpec(max_tokens_per_mb=4))
     mbs = pack_trees([list(range(9))], MicroBatchSpec(max_tokens_per_mb=4, chunk_trees=True))
-    assert [mb.num_tokens for mb in mbs] == [3, 3, 3] and [mb.chunk.context_len for mb in mbs] == [0, 3, 6]
+    assert [mb.num_tokens for mb in mbs] == [4, 4, 1] and [mb.chunk.context_len for mb in mbs] == [0, 4, 8]
 
 
 def test_trees_that_fit_are_packed_as_before():
