@@ -2,6 +2,8 @@
 
     python benchmarks/e2e_bench.py --model qwen3-0.6b --out benchmarks/results/e2e_qwen3-0.6b.json
     python benchmarks/e2e_bench.py --model tiny --scale 0.02 --max-tokens-per-mb 256 --out /tmp/e2e.json  # CPU smoke
+    python benchmarks/e2e_bench.py --model qwen3-1.7b --max-tokens-per-mb 8192 --chunk-trees --recompute full \
+        --flat-max-tokens-per-mb 65536 --out benchmarks/results/e2e_chunks_8k.json   # trees larger than a micro-batch
 
 Flat = every sequence its own causal chain, packed several to a micro-batch up to the same
 ``max_tokens_per_mb``. With Transformer Engine that is Megatron's sequence packing: the upstream
@@ -96,9 +98,20 @@ def flops_per_token_and_pair(cfg) -> tuple[float, float]:
 
 def packed_work(mbs) -> tuple[int, float]:
     """(tokens, (query, key) pairs) the micro-batches really compute, padding slots excluded
-    (pairs as :func:`attention_bench.tree_pairs` counts them)."""
+    (pairs as :func:`attention_bench.tree_pairs` counts them; a chunk's queries also see its context keys)."""
     tokens = sum(mb.num_tokens for mb in mbs)
-    return tokens, float(sum(tree_pairs(mb.attention_mask[0], mb.num_tokens) for mb in mbs))
+    return tokens, float(sum(chunk_pairs(mb) for mb in mbs))
+
+
+def chunk_pairs(mb) -> int:
+    """(query, key) pairs of one micro-batch's real slots; a chunk (``chunk_trees``): its queries against its
+    context and own keys (``context_mask``: the first C entries are the context)."""
+    if mb.context_mask is None:
+        return tree_pairs(mb.attention_mask[0], mb.num_tokens)
+    c = mb.context_mask.shape[1] - mb.num_slots
+    n = c + mb.num_tokens
+    end = mb.context_mask[0, :n].long().clamp(max=n)
+    return int((end - torch.arange(n).clamp(min=c)).sum())
 
 
 def train_step(model, optimizer, mbs, loss_fn, run, between=None) -> None:
@@ -192,6 +205,12 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke runs)")
     ap.add_argument("--attention-backend", default="auto", help="tree attention backend of the tree steps")
     ap.add_argument("--modes", default="flat,tree", help="which of flat,tree to run")
+    ap.add_argument("--chunk-trees", action=argparse.BooleanOptionalAction, default=False,
+                    help="tree steps: a tree larger than a micro-batch runs in chunks that read their ancestors' keys "
+                         "and values (MicroBatchSpec(chunk_trees=True); every unique token computed once)")
+    ap.add_argument("--flat-max-tokens-per-mb", type=int,
+                    help="the flat steps' micro-batch capacity (default --max-tokens-per-mb); flat packing cannot "
+                         "chunk, so it must hold the longest sequence")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -204,7 +223,9 @@ def main():
     from megatron_tree.runtime import cpu_mode, save_hf_config
 
     arch, overrides = MODELS[args.model]
-    spec = MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk")
+    spec = MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk", chunk_trees=args.chunk_trees)
+    flat_spec = MicroBatchSpec(max_tokens_per_mb=args.flat_max_tokens_per_mb or args.max_tokens_per_mb,
+                               packing_algorithm="kk")
     rows: dict[str, dict] = {}
     with apply_compat_patches(), cpu_mode(), tempfile.TemporaryDirectory() as tmp:
         init_one_process(cuda)
@@ -234,7 +255,8 @@ def main():
                                              backend=args.attention_backend)
                     built = tree_model
                 run = flat_forward_backward if mode == "flat" and te else tree_forward_backward
-                mbs = pack_trees(seqs, spec, share_prefixes=mode == "tree", pad_to_multiple_of=128)
+                mbs = pack_trees(seqs, spec if mode == "tree" else flat_spec, share_prefixes=mode == "tree",
+                                 pad_to_multiple_of=128)
                 times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, run, args.warmup, args.steps)
                 step_s = statistics.median(times)
                 computed_tokens, computed_pairs = packed_work(mbs)
@@ -286,7 +308,8 @@ def workload_row(args, name: str, seqs, per_token: float, per_pair: float, basel
                 unique_tokens=int(unique), token_ratio=unique / original, flat_pairs=flat_pairs, tree_pairs=tree_pairs,
                 flops_flat=flops_flat, flops_tree=flops_tree, flop_ideal_speedup=flops_flat / flops_tree,
                 max_tokens_per_mb=args.max_tokens_per_mb, recompute=args.recompute,
-                attention_backend=args.attention_backend)
+                attention_backend=args.attention_backend, chunk_trees=args.chunk_trees,
+                flat_max_tokens_per_mb=args.flat_max_tokens_per_mb or args.max_tokens_per_mb)
 
 
 def finish_row(row: dict, per_token: float, per_pair: float) -> None:

@@ -266,9 +266,10 @@ class _PreparedMaskCache:
         self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
 
     def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor, cp: tuple[int, int] | None = None,
-            window: int | None = None) -> Any:
+            window: int | None = None, context: int = 0) -> Any:
         """``backend.prepare(subtree_end)``, computed on the first call for this mask (and ``window``: a sliding
-        window, passed to ``prepare`` when not None).
+        window, passed to ``prepare`` when not None). ``context`` C > 0: the queries are slots ``C..`` of
+        ``subtree_end`` (a chunk behind its context, :func:`tree_attention`).
 
         ``cp = (rank, size)`` (context parallel): ``subtree_end`` is the CP mask ``[1, 2T]``
         (module docstring); returns ``(prepared for the rank's queries, inverse [T] int64: the
@@ -277,6 +278,7 @@ class _PreparedMaskCache:
             backend.name,
             window,
             cp,
+            context,
             str(subtree_end.device),
             subtree_end.data_ptr(),
             tuple(subtree_end.shape),
@@ -290,6 +292,8 @@ class _PreparedMaskCache:
         extra = {} if window is None else {"window": window}
         if cp is None:
             check_subtree_end_values(subtree_end)
+            if context:
+                extra["query_slots"] = torch.arange(context, subtree_end.shape[-1], device=subtree_end.device)
             prepared = backend.prepare(subtree_end, **extra)
         else:
             prepared = _prepare_context_parallel(backend, subtree_end, *cp, **extra)
@@ -338,6 +342,7 @@ def tree_attention(
     backend: str = "auto",
     cp_group: torch.distributed.ProcessGroup | None = None,
     window: int | None = None,
+    context: int = 0,
 ) -> torch.Tensor:
     """Attention of a DFS-laid-out tree micro-batch, Megatron layout.
 
@@ -348,7 +353,9 @@ def tree_attention(
     none): sliding window, key j visible to query i iff j is an ancestor-or-self of i and
     ``depth(i) - depth(j) < window`` (Hugging Face's ``sliding_window``). A named ``backend`` that is
     not proven on this call (its ``refusal``) raises ``ValueError`` with the reason; ``"auto"`` takes
-    the fastest backend that is.
+    the fastest backend that is. ``context`` C > 0 (a chunk of a larger tree, :mod:`megatron_tree.core.chunks`):
+    key / value are ``[C + s, ...]``, the C context slots first, ``subtree_end`` int ``[b, C + s]`` covers both,
+    and the s queries are its slots ``C .. C + s - 1``.
     """
     check_window(window)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
@@ -362,10 +369,10 @@ def tree_attention(
             f"attention_mask is on {subtree_end.device} but query is on {query.device}; move the "
             f"micro-batch to the model's device (TreeMicroBatch.to)"
         )
-    if key.shape[0] != s or key.shape[1] != b or key.shape[3] != hn or n_q % key.shape[2]:
+    if key.shape[0] != s + context or key.shape[1] != b or key.shape[3] != hn or n_q % key.shape[2]:
         raise ValueError(
-            f"tree attention is self-attention over one micro-batch: key/value must be "
-            f"[{s}, {b}, ng, {hn}] with {n_q} % ng == 0, got {tuple(key.shape)}"
+            f"tree attention is self-attention over one micro-batch{f' behind {context} context slots' if context else ''}: "
+            f"key/value must be [{s + context}, {b}, ng, {hn}] with {n_q} % ng == 0, got {tuple(key.shape)}"
         )
     impl = get_tree_attention_backend(backend)
     shape = AttentionShape(hn, value.shape[3], n_q // key.shape[2], query.dtype, device_generation(query.device),
@@ -379,6 +386,11 @@ def tree_attention(
             f"backend proven on each call) or 'dense' (the reference; any shape, dtype and device)"
         )
     cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    if cp > 1 and context:
+        raise ValueError(
+            f"a chunk's context ({context} slots kept by earlier chunks) cannot run under context parallel ({cp} "
+            f"ranks): pack with MicroBatchSpec(chunk_trees=False) or run with context_parallel_size=1"
+        )
     if cp > 1:
         from megatron_tree.core.context_parallel import gather_slots
 
@@ -393,8 +405,8 @@ def tree_attention(
         # All T keys / values in DFS order: gathered in CP-rank order, then permuted back.
         key, value = (gather_slots(x, cp_group).index_select(0, inverse) for x in (key, value))
     else:
-        check_subtree_end(subtree_end, b, s)
-        prepared = PREPARED_MASKS.get(impl, subtree_end, window=window)
+        check_subtree_end(subtree_end, b, s + context)
+        prepared = PREPARED_MASKS.get(impl, subtree_end, window=window, context=context)
     out = impl.attend(
         query.permute(1, 2, 0, 3),
         key.permute(1, 2, 0, 3),

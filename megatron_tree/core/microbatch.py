@@ -8,6 +8,14 @@ pre-order, so every subtree is one contiguous range. ``attention_mask[0, j]`` is
 (exclusive) of the subtree of slot j, and key j is visible to query i iff
 ``j <= i < attention_mask[0, j]``. A padding slot j has ``attention_mask[0, j] == j + 1``:
 it sees only itself and nobody sees it.
+
+Chunks (a tree larger than a micro-batch, ``MicroBatchSpec(chunk_trees=True)``): the tree is cut in DFS
+order into contiguous slot ranges, one micro-batch each. A chunk's own fields describe its own slots
+(``attention_mask`` is its own forest: slots whose parent lies in an earlier chunk are its roots);
+``context_mask`` adds its *context*, the C ancestors of its first slot that earlier chunks computed
+(a root path, root first), in front: ``[C context slots | T own slots]`` is again a DFS pre-order
+tree, and the chunk's queries (slots ``C..C+T-1`` there) attend to the context's keys and values
+that the earlier chunks' forwards kept (:class:`TreeChunk`).
 """
 
 from __future__ import annotations
@@ -16,7 +24,33 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class TreeChunk:
+    """Where a chunk micro-batch sits in its tree (host-side ints; module docstring).
+
+    group        which chunked tree of the pack (0, 1, ...); its chunks are consecutive in ``pack_trees``'s list.
+    index        the chunk's position in its tree (DFS order), ``0 .. size - 1``.
+    size         how many chunks the tree has.
+    sources      the context, root first: ``(earlier chunk index, k)`` pairs, each the first k of that
+                 chunk's exported slots (``export_slots``); ``sum(k) = C``.
+    last_reader  the last chunk of the tree whose context holds some of this chunk's exported slots
+                 (``index`` when none does): this chunk's backward must wait for that one's.
+    """
+
+    group: int
+    index: int
+    size: int
+    sources: tuple[tuple[int, int], ...]
+    last_reader: int
+
+    @property
+    def context_len(self) -> int:
+        """C: the context slots in front of the chunk's own (``context_mask``)."""
+        return sum(k for _, k in self.sources)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,11 +76,22 @@ class TreeMicroBatch:
       last_slots     LongTensor  [n]     slot of each held sequence's last token, in output order: the
                                          sequence is the root path to it (slot j is on it iff
                                          ``j <= last_slots[k] < attention_mask[0, j]``).
+      context_mask   IntTensor   [1, C+T] chunks only (else None): the interval vector of the C context
+                                         slots followed by the T own slots; run the chunk with it as
+                                         ``attention_mask`` (module docstring).
+      export_slots   LongTensor  [E]     chunks only: the own slots later chunks read as context (the
+                                         ancestors of the next chunk's first slot, root first); None when none.
 
     Host-side ints (never need a device sync):
       sequence_ids   list[int]   input sequences held here, in output order (the order of cu_targets).
       seq_lens       list[int]   their lengths (original tokens).
       num_tokens     int         unique (unpadded) tokens; slots ``[num_tokens, T)`` are padding.
+      chunk          TreeChunk | None  where a chunk sits in its tree (None: a micro-batch of whole trees).
+      target_starts  list[int] | None  chunks: each held sequence's part here begins at its target
+                                 ``target_starts[k]`` (its depth); ``seq_lens[k]`` are the part's tokens.
+                                 None: every sequence whole (all 0).
+      sequence_ends  list[bool] | None chunks: whether each held part holds its sequence's last token (the
+                                 part then has ``seq_lens[k] - 1`` targets, else ``seq_lens[k]``). None: all True.
     """
 
     input_ids: torch.Tensor
@@ -60,6 +105,11 @@ class TreeMicroBatch:
     sequence_ids: list[int]
     seq_lens: list[int]
     num_tokens: int
+    context_mask: torch.Tensor | None = None
+    export_slots: torch.Tensor | None = None
+    chunk: TreeChunk | None = None
+    target_starts: list[int] | None = None
+    sequence_ends: list[bool] | None = None
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -75,8 +125,32 @@ class TreeMicroBatch:
 
     @property
     def num_original_tokens(self) -> int:
-        """Tokens the held sequences have before prefix sharing."""
+        """Tokens the held sequences (parts of sequences, in a chunk) have before prefix sharing."""
         return sum(self.seq_lens)
+
+    @property
+    def target_counts(self) -> list[int]:
+        """Targets of each held sequence (part) here, host ints: ``cu_targets.diff()`` without a device sync."""
+        ends = self.sequence_ends or [True] * len(self.seq_lens)
+        return [n - int(e) for n, e in zip(self.seq_lens, ends)]
+
+    def target_index(self, offsets) -> "np.ndarray":
+        """Where this micro-batch's ``[N]`` targets lie in a per-target array of all sequences: ``offsets[i]`` is
+        where sequence i's ``len_i - 1`` targets begin there (int64 ``[N]``, host). Index per-target rollout
+        data (loss masks, old log-probs) with it; a chunk holds parts of sequences (``target_starts``)."""
+        starts = self.target_starts or [0] * len(self.seq_lens)
+        counts = np.asarray(self.target_counts, np.int64)
+        first = np.asarray(offsets, np.int64)[np.asarray(self.sequence_ids, np.int64)] + np.asarray(starts, np.int64)
+        seg = np.cumsum(counts) - counts
+        return np.repeat(first - seg, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+    def gather_targets(self, per_sequence) -> torch.Tensor:
+        """``[N]``: each held sequence's entries here out of ``per_sequence[i]``, a ``[len_i - 1]`` tensor per input
+        sequence i (old log-probs, advantages, loss masks), concatenated in output order (a chunk's parts:
+        their ``target_starts`` onwards)."""
+        starts = self.target_starts or [0] * len(self.seq_lens)
+        pieces = [per_sequence[i][s : s + n] for i, s, n in zip(self.sequence_ids, starts, self.target_counts)]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
 
     def padded_to(self, length: int, pad_token_id: int = 0) -> "TreeMicroBatch":
         """Copy padded with extra slots up to ``length`` slots (each padding slot sees only itself)."""
@@ -87,8 +161,14 @@ class TreeMicroBatch:
             return self
         extra = length - t
         dev = self.input_ids.device
+        context = {}
+        if self.context_mask is not None:
+            c = self.context_mask.shape[1] - t
+            pad = torch.arange(c + t + 1, c + length + 1, dtype=torch.int32, device=dev)[None]
+            context["context_mask"] = torch.cat([self.context_mask, pad], 1)
         return dataclasses.replace(
             self,
+            **context,
             input_ids=torch.cat([self.input_ids, self.input_ids.new_full((1, extra), pad_token_id)], 1),
             position_ids=torch.cat([self.position_ids, self.position_ids.new_zeros((1, extra))], 1),
             attention_mask=torch.cat(

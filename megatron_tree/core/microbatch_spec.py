@@ -13,8 +13,8 @@ PACKING_ALGORITHMS = ("ffd", "kk")
 class MicroBatchSpec:
     """Validated at construction; copy with overrides through :meth:`new`.
 
-    max_tokens_per_mb  capacity of one micro-batch in unique (tree) tokens; a sequence longer
-                       than this cannot be packed.
+    max_tokens_per_mb  capacity of one micro-batch in unique (tree) tokens; without ``chunk_trees``
+                       a sequence longer than this cannot be packed.
     n_mbs              at least this many micro-batches per step.
     n_mbs_divisor      the micro-batch count is a multiple of this (pipeline parallel: PP size,
                        or ``microbatch_group_size_per_vp_stage`` for interleaved PP).
@@ -22,6 +22,12 @@ class MicroBatchSpec:
                        always land in the same micro-batch (e.g. the samples of one prompt).
     packing_algorithm  "ffd" (first-fit decreasing, then least-loaded placement) or "kk"
                        (Karmarkar–Karp differencing; falls back to "ffd" rather than overflow).
+    chunk_trees        a tree (prefix group) larger than a micro-batch is cut in DFS order into chunks of
+                       at most ``max_tokens_per_mb`` slots that read their ancestors' keys and values from
+                       the earlier chunks (every unique token computed once; any sequence length). False:
+                       such a tree is split at branch points, each part recomputing the path above it,
+                       and a sequence longer than a micro-batch is refused. Chunks run through
+                       ``tree_forward_backward`` / ``tree_forward_only`` without pipeline or context parallel.
     """
 
     max_tokens_per_mb: int
@@ -29,8 +35,11 @@ class MicroBatchSpec:
     n_mbs_divisor: int = 1
     granularity: int = 1
     packing_algorithm: str = "ffd"
+    chunk_trees: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.chunk_trees, bool):
+            raise ValueError(f"MicroBatchSpec.chunk_trees must be a bool, got {self.chunk_trees!r}")
         for name in ("max_tokens_per_mb", "n_mbs", "n_mbs_divisor", "granularity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -18,6 +18,15 @@ Plan on the global prefix forest, then build each micro-batch's own forest:
    "kk"'s spread (max - min load) never exceeds "ffd"'s by more than the largest item.
 4. Each bin becomes a :class:`TreeMicroBatch` built from its own forest (bins left empty
    become one-slot padding micro-batches that hold no sequence).
+
+With ``chunk_trees`` nothing is split at branch points: every root tree is an item, and an item
+larger than ``max_tokens_per_mb`` (a tree, or the trees one granule keeps together) becomes a run
+of *chunks* (:func:`build_chunks`): its DFS slot range cut into contiguous ranges of half to all of the
+capacity where they export the fewest keys and values to later chunks, each a micro-batch whose queries
+also attend to its context, the ancestors of its first slot computed by earlier chunks. No token is
+computed twice.
+The chunks of a tree follow the bins' micro-batches, consecutively, and count as one micro-batch
+(one step of Megatron's schedule) for ``n_mbs``, ``n_mbs_divisor`` and the data-parallel count.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from megatron_tree.core.chunks import build_chunks
 from megatron_tree.core.microbatch import TreeMicroBatch
 from megatron_tree.core.microbatch_spec import MicroBatchSpec
 from megatron_tree.core.tree import TokenForest, as_sequences, build_forest, chain_forest
@@ -66,25 +76,32 @@ def pack_trees(
     cap = spec.max_tokens_per_mb
     lens = np.fromiter((s.shape[0] for s in seqs), np.int64, len(seqs))
     too_long = np.flatnonzero(lens > cap)
-    if too_long.size:
+    if too_long.size and not spec.chunk_trees:
         i = int(too_long[0])
         raise ValueError(
             f"sequence {i} has {int(lens[i])} tokens, more than max_tokens_per_mb={cap} "
-            f"({too_long.size} sequence(s) too long in all); raise max_tokens_per_mb to at least "
-            f"{int(lens.max())} or truncate those sequences"
+            f"({too_long.size} sequence(s) too long in all); pack with MicroBatchSpec(chunk_trees=True) (chunks "
+            f"that read their ancestors' keys and values), raise max_tokens_per_mb to at least "
+            f"{int(lens.max())}, or truncate those sequences"
         )
+    plan_cap = np.iinfo(np.int64).max if spec.chunk_trees else cap  # chunking: whole root trees are the items
     if not share_prefixes:
         items, costs = [np.array([i]) for i in range(len(seqs))], lens.tolist()
     else:
-        items, costs = plan_items(build_forest(seqs), cap) if seqs else ([], [])
+        items, costs = plan_items(build_forest(seqs), plan_cap) if seqs else ([], [])
     if spec.granularity > 1:
-        items, costs = _merge_granules(items, costs, seqs, spec.granularity, cap)
-    k = _bin_count(costs, spec, cap, dp_group)
-    bins = assign_bins(costs, k, cap, spec.packing_algorithm)
+        items, costs = _merge_granules(items, costs, seqs, spec.granularity, cap, spec.chunk_trees, share_prefixes)
+    big = [i for i, c in enumerate(costs) if c > cap]  # only with chunk_trees
+    small = [i for i, c in enumerate(costs) if c <= cap]
+    k = _bin_count([costs[i] for i in small], spec, cap, dp_group, len(big))
+    bins = assign_bins([costs[i] for i in small], k, cap, spec.packing_algorithm)
     out = []
     for members in bins:
-        ids = sorted(int(s) for it in members for s in items[it])
+        ids = sorted(int(s) for it in members for s in items[small[it]])
         out.append(build_micro_batch(seqs, ids, pad_to_multiple_of, pad_token_id, share_prefixes))
+    for group, it in enumerate(big):
+        ids = sorted(int(s) for s in items[it])
+        out.extend(build_chunks(seqs, ids, cap, group, pad_to_multiple_of, pad_token_id, share_prefixes))
     return out
 
 
@@ -159,9 +176,11 @@ def plan_items(forest: TokenForest, capacity: int) -> tuple[list[np.ndarray], li
 
 
 def _merge_granules(
-    items: list[np.ndarray], costs: list[int], seqs: list[np.ndarray], g: int, capacity: int
+    items: list[np.ndarray], costs: list[int], seqs: list[np.ndarray], g: int, capacity: int, chunk: bool = False,
+    share: bool = True,
 ) -> tuple[list[np.ndarray], list[int]]:
-    """Merge items that hold sequences of the same granule (inputs ``[k*g, (k+1)*g)``)."""
+    """Merge items that hold sequences of the same granule (inputs ``[k*g, (k+1)*g)``); ``chunk``: a merged
+    item may exceed ``capacity`` (it becomes chunks); ``share=False``: items are chains, their costs add up."""
     parent = list(range(len(items)))
 
     def find(x: int) -> int:
@@ -184,14 +203,14 @@ def _merge_granules(
     for group in merged.values():
         members = np.concatenate([items[i] for i in group])
         cost = sum(costs[i] for i in group)
-        if cost > capacity:
+        if cost > capacity and share:  # the merged items may share prefixes across them
             cost = build_forest([seqs[i] for i in members.tolist()]).num_tokens
-            if cost > capacity:
-                raise ValueError(
-                    f"granularity={g} keeps sequences {sorted(members.tolist())[:8]}... together, but "
-                    f"they hold {cost} unique tokens, more than max_tokens_per_mb={capacity}; lower "
-                    f"granularity or raise max_tokens_per_mb"
-                )
+        if cost > capacity and not chunk:
+            raise ValueError(
+                f"granularity={g} keeps sequences {sorted(members.tolist())[:8]}... together, but "
+                f"they hold {cost} {'unique ' if share else ''}tokens, more than max_tokens_per_mb={capacity}; lower "
+                f"granularity, raise max_tokens_per_mb or pack with MicroBatchSpec(chunk_trees=True)"
+            )
         out_items.append(members)
         out_costs.append(int(cost))
     return out_items, out_costs
@@ -217,8 +236,11 @@ def _first_fit_decreasing(costs: Sequence[int], capacity: int, n_bins: int | Non
     return bins
 
 
-def _bin_count(costs: list[int], spec: MicroBatchSpec, capacity: int, dp_group) -> int:
-    k = max(len(_first_fit_decreasing(costs, capacity)), spec.n_mbs)
+def _bin_count(costs: list[int], spec: MicroBatchSpec, capacity: int, dp_group, chunked: int = 0) -> int:
+    """Bins for the items ``costs``, besides ``chunked`` chunked trees (each one step of the schedule): the
+    step count ``bins + chunked`` is at least ``n_mbs``, a multiple of ``n_mbs_divisor``, the same on every
+    rank of ``dp_group``."""
+    k = max(len(_first_fit_decreasing(costs, capacity)) + chunked, spec.n_mbs)
     k = -(-k // spec.n_mbs_divisor) * spec.n_mbs_divisor
     if dp_group is not None:
         import torch.distributed as dist
@@ -227,7 +249,7 @@ def _bin_count(costs: list[int], spec: MicroBatchSpec, capacity: int, dp_group) 
         t = torch.tensor([k], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
         k = int(t.item())  # a max of multiples of the divisor is one too
-    return k
+    return k - chunked
 
 
 def assign_bins(costs: Sequence[int], k: int, capacity: int, algorithm: str) -> list[list[int]]:

@@ -21,6 +21,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_tree.attention import get_tree_attention_backend, tree_attention
 from megatron_tree.attention.shapes import AttentionShape, device_generation
+from megatron_tree.mcore.chunk_context import chunk_link
 
 __all__ = ["TreeCoreAttention", "TreeCoreAttentionTE", "check_tree_attention_config", "layer_window"]
 
@@ -205,6 +206,11 @@ class TreeCoreAttention(MegatronModule):
         return self._attend(query, key, value, attention_mask, dropout_p)
 
     def _attend(self, query, key, value, attention_mask, dropout_p):
+        # A chunk of a tree larger than a micro-batch (megatron_tree.mcore.chunk_context): its context's keys
+        # and values, kept by earlier chunks, go in front of its own.
+        link = chunk_link(attention_mask)
+        if link is not None:
+            key, value = link.keys_and_values(self.layer_number, key, value)
         return tree_attention(
             query,
             key,
@@ -215,6 +221,7 @@ class TreeCoreAttention(MegatronModule):
             backend=self.backend,
             cp_group=self.cp_group,
             window=self.window,
+            context=0 if link is None else link.context_len,
         )
 
 

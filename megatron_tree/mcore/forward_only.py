@@ -31,17 +31,20 @@ __all__ = ["flat_forward_only", "tree_forward_only"]
 def _sizes(mb: TreeMicroBatch, head: str, with_entropy: bool) -> list[int]:
     """Entries per sequence of ``mb`` in its flat head output (host ints, no device sync)."""
     if head == "scores":
-        return [1] * len(mb.sequence_ids)
-    return [(length - 1) * (2 if with_entropy else 1) for length in mb.seq_lens]
+        return [int(end) for end in (mb.sequence_ends or [True] * len(mb.sequence_ids))]
+    return [n * (2 if with_entropy else 1) for n in mb.target_counts]
 
 
-def _flatten(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], mb: TreeMicroBatch) -> torch.Tensor:
+def _flatten(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], mb: TreeMicroBatch, head: str) -> torch.Tensor:
     """One micro-batch's head output as fp32 ``[sum of _sizes]``: per sequence, its log-probs then
-    (with entropy) its entropies, so each sequence is one contiguous range."""
+    (with entropy) its entropies, so each sequence is one contiguous range (scores: of the sequences that
+    end here)."""
+    if head == "scores" and mb.sequence_ends is not None:
+        return output.float()[torch.tensor(mb.sequence_ends, dtype=torch.bool, device=output.device)]
     if not isinstance(output, tuple):
         return output.float()
     logprobs, entropy = (o.float() for o in output)
-    counts = [length - 1 for length in mb.seq_lens]
+    counts = mb.target_counts
     pairs = zip(logprobs.split(counts), entropy.split(counts))
     return torch.cat([torch.cat(pair) for pair in pairs]) if counts else logprobs
 
@@ -99,8 +102,10 @@ def flat_forward_only(
 
 
 def _forward_only(chunks, mbs, head, with_entropy, temperature, tp_group, *, thd: bool):
-    ids = [sid for mb in mbs for sid in mb.sequence_ids]
-    if sorted(ids) != list(range(len(ids))):
+    # A sequence through several chunks of a tree has a part in each (in DFS order, so in order).
+    ids = [sid for mb in mbs for sid, end in zip(mb.sequence_ids, mb.sequence_ends or [True] * len(mb.sequence_ids))
+           if end]
+    if sorted(ids) != list(range(len(ids))) or {sid for mb in mbs for sid in mb.sequence_ids} != set(ids):
         raise ValueError(
             f"the micro-batches hold sequence ids {sorted(ids)[:8]}{'...' if len(ids) > 8 else ''}, not each of "
             f"0..{len(ids) - 1} once: pass every micro-batch pack_trees returned for this rank's sequences"
@@ -114,7 +119,7 @@ def _forward_only(chunks, mbs, head, with_entropy, temperature, tp_group, *, thd
     total = sum(map(sum, sizes))
     device = next(chunks[0].parameters()).device
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        flat = torch.cat([_flatten(out, mb) for out, mb in zip(collected, mbs)])
+        flat = torch.cat([_flatten(out, mb, head) for out, mb in zip(collected, mbs)])
         assert flat.numel() == total, (flat.numel(), total)
     else:
         flat = torch.empty(total, dtype=torch.float32, device=device)
@@ -125,13 +130,13 @@ def _forward_only(chunks, mbs, head, with_entropy, temperature, tp_group, *, thd
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
 
-    per_seq: list[torch.Tensor | None] = [None] * len(ids)
+    parts: list[list[torch.Tensor]] = [[] for _ in ids]
     for mb, mb_sizes, pieces in zip(mbs, sizes, flat.split([sum(s) for s in sizes])):
         for sid, piece in zip(mb.sequence_ids, pieces.split(mb_sizes)):
-            per_seq[sid] = piece
+            parts[sid].append(piece)
     if head == "scores":
-        return torch.cat(per_seq) if per_seq else flat
+        return torch.cat([p for seq in parts for p in seq]) if ids else flat
     if with_entropy:
-        halves = [piece.chunk(2) if piece.numel() else (piece, piece) for piece in per_seq]
-        return [h[0] for h in halves], [h[1] for h in halves]
-    return per_seq
+        halves = [[piece.chunk(2) if piece.numel() else (piece, piece) for piece in seq] for seq in parts]
+        return [torch.cat([h[0] for h in seq]) for seq in halves], [torch.cat([h[1] for h in seq]) for seq in halves]
+    return [torch.cat(seq) for seq in parts]

@@ -39,6 +39,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
+from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.mcore.core_attention import TreeCoreAttention
 from megatron_tree.mcore.router_stats import weigh_router_statistics
 
@@ -71,6 +72,7 @@ class TreeRotaryEmbedding(torch.nn.Module):
         self.apply_rope_fusion = apply_rope_fusion
         self.context_parallel_size = context_parallel_size
         self.position_ids: torch.Tensor | None = None
+        self.table_rows = 0  # a chunk of a larger tree: its depths reach C + S - 1 (C context slots above it)
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         """Upstream ``get_rotary_seq_len``: S, the full sequence length of this forward."""
@@ -88,7 +90,8 @@ class TreeRotaryEmbedding(torch.nn.Module):
         cp = self.context_parallel_size
         if pos is None:
             return self.inner(max_seq_len, offset, packed_seq, cp_group)
-        out = self.inner(max_seq_len, offset, packed_seq, _OneRank() if cp > 1 else cp_group)
+        rows = max(max_seq_len, self.table_rows)
+        out = self.inner(rows, offset, packed_seq, _OneRank() if cp > 1 else cp_group)
         table, *rest = out if isinstance(out, tuple) else (out,)
         if pos.dim() != 2 or pos.shape[1] * cp != max_seq_len:
             raise ValueError(
@@ -231,10 +234,11 @@ def _wrap_rotary(gpt: GPTModel) -> None:
             _DEPTHS[mask.untyped_storage()] = pos
         if rope is not None:
             rope.position_ids = pos
+            rope.table_rows = _table_rows(mask)
 
     gpt.register_forward_pre_hook(capture, with_kwargs=True)
     if rope is not None:
-        gpt.register_forward_hook(lambda *_: setattr(rope, "position_ids", None), with_kwargs=True, always_call=True)
+        gpt.register_forward_hook(lambda *_: _release(rope), with_kwargs=True, always_call=True)
 
 
 def _feed_from_mask(mla: MultiLatentAttention) -> None:
@@ -244,6 +248,7 @@ def _feed_from_mask(mla: MultiLatentAttention) -> None:
     def capture(module, args, kwargs):
         mask = signature.bind(*args, **kwargs).arguments.get("attention_mask")
         rope.position_ids = _DEPTHS.get(mask.untyped_storage()) if _is_tree_mask(mask) else None
+        rope.table_rows = _table_rows(mask)
         if rope.position_ids is None and _is_tree_mask(mask):
             raise ValueError(
                 "a multi-latent attention layer got a tree attention_mask its model was not called with: "
@@ -251,7 +256,17 @@ def _feed_from_mask(mla: MultiLatentAttention) -> None:
             )
 
     mla.register_forward_pre_hook(capture, with_kwargs=True)
-    mla.register_forward_hook(lambda *_: setattr(rope, "position_ids", None), with_kwargs=True, always_call=True)
+    mla.register_forward_hook(lambda *_: _release(rope), with_kwargs=True, always_call=True)
+
+
+def _table_rows(mask: Any) -> int:
+    """Rows the RoPE table needs beyond the slots: a chunk's ``context_mask`` [1, C + S] (its depths are < C + S)."""
+    return mask.shape[-1] if _is_tree_mask(mask) and chunk_link(mask) is not None else 0
+
+
+def _release(rope: TreeRotaryEmbedding) -> None:
+    rope.position_ids = None
+    rope.table_rows = 0
 
 
 def _converted(gpt: GPTModel) -> bool:

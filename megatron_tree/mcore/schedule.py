@@ -57,6 +57,8 @@ from megatron_tree.core.context_parallel import (
 )
 from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
 from megatron_tree.core.microbatch import TreeMicroBatch
+from megatron_tree.core.packing import build_micro_batch
+from megatron_tree.mcore.chunk_schedule import ChunkedTree, release_chunks, run_chunked_tree, schedule_steps
 from megatron_tree.mcore.data_parallel import configure_grad_sync
 from megatron_tree.mcore.packed_seq import thd_packed_seq_params
 from megatron_tree.mcore.model_check import check_tree_model
@@ -91,17 +93,34 @@ def tree_data_iterators(
     pad_to: int | None = None,
     pad_multiple: int = 1,
     cp: tuple[int, int] | None = None,
+    chunk_counts: list[int] | None = None,
 ) -> Iterator | list[Iterator]:
     """Data iterator(s) for ``forward_backward_func``: one over ``mbs`` per model chunk
     (a plain iterator when there is one chunk). ``pad_to`` pads every micro-batch to that
     many slots (fixed-length schedules); otherwise each is padded to a multiple of
     ``pad_multiple`` slots (sequence parallel splits the slots over TP ranks; context parallel
     needs a multiple of ``cp * CP_CHUNKS``). Items are the micro-batches, or with ``cp = (rank,
-    size)`` pairs ``(micro-batch, its ContextParallelShard for this rank)``."""
+    size)`` pairs ``(micro-batch, its ContextParallelShard for this rank)``; the chunks of a tree
+    larger than a micro-batch are one item, a :class:`~megatron_tree.mcore.chunk_schedule.ChunkedTree`.
+    ``chunk_counts`` (expert parallel): every item is a ``ChunkedTree`` run uniformly, padded with empty
+    chunks to that many (per item)."""
+
+    def ready(mb: TreeMicroBatch) -> TreeMicroBatch:
+        return mb.padded_to(_padded_length(mb, pad_to, pad_multiple)).to(device)
+
+    steps = schedule_steps(list(mbs))
     moved = []
-    for mb in mbs:
-        mb = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
-        moved.append(mb.to(device) if cp is None else (mb.to(device), shard_micro_batch(mb, cp[1], cp[0]).to(device)))
+    for i, step in enumerate(steps):
+        last = i == len(steps) - 1
+        if chunk_counts is not None:
+            chunks = step if isinstance(step, list) else [step]
+            chunks = chunks + [build_micro_batch([], []) for _ in range(chunk_counts[i] - len(chunks))]
+            moved.append(ChunkedTree([ready(mb) for mb in chunks], uniform=True, last=last))
+        elif isinstance(step, list):
+            moved.append(ChunkedTree([ready(mb) for mb in step], last=last))
+        else:
+            moved.append(ready(step) if cp is None else (ready(step), shard_micro_batch(
+                step.padded_to(_padded_length(step, pad_to, pad_multiple)), cp[1], cp[0]).to(device)))
     its = [iter(moved) for _ in range(num_model_chunks)]
     return its[0] if num_model_chunks == 1 else its
 
@@ -114,9 +133,14 @@ def tree_forward_step(
     head: str = "logprobs",
     with_entropy: bool = False,
     cp_group: torch.distributed.ProcessGroup | None = None,
+    forward_only: bool = False,
+    collect: bool = False,
 ) -> Callable:
     """A ``forward_step_func`` for megatron-core schedules over :class:`TreeMicroBatch` items
-    (under context parallel, ``(micro-batch, ContextParallelShard)`` items and the ``cp_group``).
+    (under context parallel, ``(micro-batch, ContextParallelShard)`` items and the ``cp_group``;
+    :class:`~megatron_tree.mcore.chunk_schedule.ChunkedTree` items, the chunks of a tree larger than a
+    micro-batch, run as :func:`~megatron_tree.mcore.chunk_schedule.run_chunked_tree` does, with their
+    backwards unless ``forward_only``; ``collect``: the schedule collects outputs, not losses).
 
     The model must be built with tree attention and per-token RoPE (see
     ``patch_bridge_for_tree_training`` / ``tree_layer_spec`` + ``convert_to_tree_model``);
@@ -125,14 +149,28 @@ def tree_forward_step(
     from ``loss_fn(head outputs, mb)`` (``head``, ``with_entropy``: :data:`HEADS`).
     """
 
+    def loss_func_for(mb, shard=None):
+        return tree_loss_func(
+            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
+            shard=shard, cp_group=cp_group,
+        )  # fmt: skip
+
     def forward_step(data_iterator, model):
         item = next(data_iterator)
         check_tree_model(model)  # walks each chunk once
-        mb, shard = item if isinstance(item, tuple) else (item, None)
-        moe = bool(get_model_config(model).num_moe_experts)
+        config = get_model_config(model)
+        moe = bool(config.num_moe_experts)
         # Logits stay in the model's precision (bf16): the log-prob kernel reads them in fp32 math, and
         # Megatron's fp32 copy of [T, V] would only cost memory (the values are the same bf16 numbers).
         kwargs = {"fp32_output": False} if head == "logprobs" and _half_precision(model) else {}
+        if isinstance(item, ChunkedTree):
+
+            def forward(mb, mask):
+                padding_mask = tree_padding_mask(mb) if moe else None
+                return model(mb.input_ids, mb.position_ids, mask, padding_mask=padding_mask, **kwargs)
+
+            return run_chunked_tree(item, forward, loss_func_for, config, train=not forward_only, collect=collect)
+        mb, shard = item if isinstance(item, tuple) else (item, None)
         if shard is None:
             # MoE routers weigh each slot by the sequences through it (megatron_tree.mcore.router_stats).
             padding_mask = tree_padding_mask(mb) if moe else None
@@ -141,10 +179,7 @@ def tree_forward_step(
             padding_mask = tree_padding_mask(mb, shard) if moe else None
             output = model(shard.input_ids, shard.position_ids, shard.attention_mask, padding_mask=padding_mask,
                            **kwargs)  # fmt: skip
-        return output, tree_loss_func(
-            loss_fn, mb, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
-            shard=shard, cp_group=cp_group,
-        )  # fmt: skip
+        return output, loss_func_for(mb, shard)
 
     return forward_step
 
@@ -516,6 +551,10 @@ def _run_schedule(
             )
     if not len(mbs):
         raise ValueError("got no micro-batches; pack_trees returns at least one")
+    chunked = [mb for mb in mbs if mb.chunk is not None]
+    if chunked:
+        _check_chunks_runnable(chunked, pp=pp, cp=cp, thd=thd)
+    steps = len(schedule_steps(list(mbs)))  # a chunked tree is one step
     _check_token_ids(chunks[0], mbs)
     device = next(chunks[0].parameters()).device
     if cp > 1:
@@ -529,16 +568,17 @@ def _run_schedule(
     if expert_parallel or fixed:
         # One MAX all-reduce for both: the micro-batch counts (expert-parallel ranks exchange
         # tokens in every micro-batch, so unequal counts would deadlock) and the slot length.
-        most, neg_least, longest = _all_reduce_max([len(mbs), -len(mbs), length], device)
+        most, neg_least, longest = _all_reduce_max([steps, -steps, length], device)
         if expert_parallel and most != -neg_least:
             raise ValueError(
-                f"ranks hold between {-neg_least} and {most} micro-batches (this one {len(mbs)}), but "
+                f"ranks hold between {-neg_least} and {most} micro-batches (this one {steps}; the chunks of a "
+                f"tree count as one), but "
                 f"expert-parallel ranks exchange tokens in every micro-batch and need the same count; pack with "
                 f"pack_trees(..., dp_group=parallel_state.get_data_parallel_group()) on every data-parallel rank"
             )
         if fixed:
             length = longest
-    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks; context parallel
+    chunk_counts = _chunk_counts(mbs, device) if expert_parallel else None    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks; context parallel
     # cuts them into cp * CP_CHUNKS equal chunks.
     multiple = schedule_slot_multiple(chunks[0])
     length = padded_slots(length, multiple)
@@ -555,19 +595,51 @@ def _run_schedule(
         cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
         forward_step = tree_forward_step(
             loss_fn, tp_group=tp_group, temperature=temperature, head=head, with_entropy=with_entropy,
-            cp_group=cp_group,
+            cp_group=cp_group, forward_only=forward_only, collect=collect,
         )  # fmt: skip
         data_iterator = tree_data_iterators(
             mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple,
-            cp=(parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None,
+            cp=(parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None, chunk_counts=chunk_counts,
         )  # fmt: skip
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=data_iterator,
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(mbs),
-        seq_length=length,
-        micro_batch_size=1,
-        forward_only=forward_only,
-        collect_non_loss_data=collect,
-    )
+    try:
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=steps,
+            seq_length=length,
+            micro_batch_size=1,
+            forward_only=forward_only,
+            collect_non_loss_data=collect,
+        )
+    finally:
+        release_chunks()
+    if collect:  # a chunked tree's step collected a list: one entry per chunk
+        out = [x for item in out for x in (item if isinstance(item, list) else [item])]
+    return out
+
+
+def _check_chunks_runnable(chunked: list[TreeMicroBatch], *, pp: int, cp: int, thd: bool) -> None:
+    """Refuse (one line: why, what to do) the layouts that cannot run chunks of a tree larger than a micro-batch."""
+    why = None
+    if pp > 1:
+        why = (f"pipeline parallel ({pp} stages) runs each micro-batch's backward on its own schedule, but a chunk's "
+               f"backward must wait for the later chunks that read its keys and values")
+    elif cp > 1:
+        why = f"context parallel ({cp} ranks) shards each micro-batch's slots, and a chunk's context is not sharded"
+    elif thd:
+        why = "the flat THD path (flat_forward_backward / flat_forward_only) has no tree attention to read a context"
+    if why is not None:
+        raise ValueError(
+            f"{len(chunked)} micro-batch(es) are chunks of trees larger than max_tokens_per_mb (MicroBatchSpec("
+            f"chunk_trees=True)), which cannot run here: {why}; pack with chunk_trees=False (and a max_tokens_per_mb "
+            f"of at least the longest sequence) or run with pipeline and context parallel size 1"
+        )
+
+
+def _chunk_counts(mbs: Sequence[TreeMicroBatch], device: torch.device) -> list[int] | None:
+    """Under expert parallel: the most chunks each schedule step has on any rank (one MAX all-reduce over the
+    world; the step counts are equal), or None when no rank has a chunked tree."""
+    counts = [len(s) if isinstance(s, list) else 1 for s in schedule_steps(list(mbs))]
+    most = _all_reduce_max(counts, device)
+    return most if max(most) > 1 else None

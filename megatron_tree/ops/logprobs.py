@@ -392,7 +392,7 @@ def gather_tree_logprobs(
             f"logits must be [1, T={mb.num_slots}, V_local] for this micro-batch; got shape "
             f"{tuple(getattr(logits, 'shape', ()))}. Pass GPTModel's output for mb.input_ids (batch dim 1)."
         )
-    num_targets = sum(n - 1 for n in mb.seq_lens)
+    num_targets = sum(mb.target_counts)
     if mb.logprob_slots.numel() != num_targets:
         raise ValueError(
             f"mb holds {mb.logprob_slots.numel()} targets but its seq_lens imply {num_targets}; "

@@ -17,7 +17,12 @@ Normalisation (``normalization=``), the same whether sequences come packed as tr
   that averages over all loss tokens of the batch (DAPO, Megatron's per-token cross
   entropy). Long sequences weigh more.
 - ``"sequence"``: mean over sequences of each sequence's token mean (original GRPO).
-  Sequences without loss tokens are left out of the mean.
+  Sequences without loss tokens are left out of the mean. A sequence split over several
+  micro-batches (the parts in the chunks of a tree larger than a micro-batch,
+  ``TreeMicroBatch.target_starts``) needs ``sequence_loss_tokens`` (its loss tokens over the whole
+  sequence, [n]) so that each part divides by the whole count, and ``counts_sequence`` ([n] bool,
+  ``mb.sequence_ends``) so that one part counts it in the normalizer: then the sum over micro-batches
+  is exact.
 
 ``reduction="mean"`` returns that value for the tensors given. A global batch split over
 micro-batches (and data-parallel ranks) needs ``reduction="sum"``: the returned numerator
@@ -69,8 +74,10 @@ def _reduce(
     loss_mask: torch.Tensor | None,
     normalization: str,
     reduction: str,
+    sequence_loss_tokens: torch.Tensor | None = None,
+    counts_sequence: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate the shared arguments and reduce ``per_token`` [N] float.
+    """Validate the shared arguments and reduce ``per_token`` [N] float (sequence parts: module docstring).
 
     Returns ``(loss scalar, normalizer int64 scalar, mask [N] float)``.
     """
@@ -108,8 +115,14 @@ def _reduce(
         )
         seq_sum = per_token.new_zeros(num_seqs).index_add_(0, seq_of_token, per_token * mask)
         seq_count = mask.new_zeros(num_seqs).index_add_(0, seq_of_token, mask)
-        numerator = (seq_sum / seq_count.clamp(min=1)).sum()
-        normalizer = (seq_count > 0).sum()
+        for name, value in (("sequence_loss_tokens", sequence_loss_tokens), ("counts_sequence", counts_sequence)):
+            if value is not None and (not isinstance(value, torch.Tensor) or value.shape != (num_seqs,)):
+                raise ValueError(f"{name} must be a tensor [n={num_seqs}] (one entry per sequence of cu_seqlens); "
+                                 f"got {type(value).__name__} shape {tuple(getattr(value, 'shape', ()))}.")
+        whole = seq_count if sequence_loss_tokens is None else sequence_loss_tokens.to(seq_count)
+        numerator = (seq_sum / whole.clamp(min=1)).sum()
+        counted = whole > 0 if counts_sequence is None else (whole > 0) & counts_sequence.to(whole.device, torch.bool)
+        normalizer = counted.sum()
     normalizer = normalizer.long()
     loss = numerator if reduction == "sum" else numerator / normalizer.clamp(min=1)
     return loss, normalizer, mask
@@ -131,6 +144,8 @@ def ppo_clip_loss(
     clip_eps_high: float | None = None,
     normalization: str = "token",
     reduction: str = "mean",
+    sequence_loss_tokens: torch.Tensor | None = None,
+    counts_sequence: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO / GRPO clipped surrogate: per token ``max(-A r, -A clip(r, 1 - eps, 1 + eps_high))``.
 
@@ -149,6 +164,8 @@ def ppo_clip_loss(
                      set it larger for DAPO's clip-higher).
       normalization: ``"token"`` or ``"sequence"`` (module docstring).
       reduction:     ``"mean"`` or ``"sum"`` (numerator only, for splitting over micro-batches).
+      sequence_loss_tokens, counts_sequence: ``"sequence"`` normalisation of sequences split over micro-batches
+                     (chunks of a tree larger than a micro-batch; module docstring); None: every sequence whole.
 
     Returns:
       ``(loss scalar, metrics)``; metrics: ``clip_fraction`` (share of loss tokens where the
@@ -182,7 +199,8 @@ def ppo_clip_loss(
     clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
 
-    loss, normalizer, mask = _reduce(per_token, cu_seqlens, loss_mask, normalization, reduction)
+    loss, normalizer, mask = _reduce(per_token, cu_seqlens, loss_mask, normalization, reduction,
+                                     sequence_loss_tokens, counts_sequence)
     metrics = {
         "clip_fraction": _masked_mean((clipped > unclipped).to(mask.dtype), mask),
         "approx_kl": _masked_mean(ratio - 1.0 - log_ratio, mask),
@@ -201,6 +219,8 @@ def value_loss(
     clip_eps: float | None = 0.2,
     normalization: str = "token",
     reduction: str = "mean",
+    sequence_loss_tokens: torch.Tensor | None = None,
+    counts_sequence: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped value loss: per token ``0.5 * max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2)``.
 
@@ -238,7 +258,8 @@ def value_loss(
     else:
         clipped = (old + (values - old).clamp(-clip_eps, clip_eps) - target).square()
         per_token, clipped_taken = torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype)
-    loss, normalizer, mask = _reduce(0.5 * per_token, cu_seqlens, loss_mask, normalization, reduction)
+    loss, normalizer, mask = _reduce(0.5 * per_token, cu_seqlens, loss_mask, normalization, reduction,
+                                     sequence_loss_tokens, counts_sequence)
     return loss, {"clip_fraction": _masked_mean(clipped_taken, mask), "normalizer": normalizer}
 
 
@@ -249,6 +270,8 @@ def sft_loss(
     loss_mask: torch.Tensor | None = None,
     normalization: str = "token",
     reduction: str = "mean",
+    sequence_loss_tokens: torch.Tensor | None = None,
+    counts_sequence: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative log-likelihood of the targets: per token ``-logprobs``.
 
@@ -256,5 +279,6 @@ def sft_loss(
     metrics: ``normalizer`` (int64 loss tokens or loss sequences).
     """
     _check_logprobs(logprobs)
-    loss, normalizer, _ = _reduce(-logprobs, cu_seqlens, loss_mask, normalization, reduction)
+    loss, normalizer, _ = _reduce(-logprobs, cu_seqlens, loss_mask, normalization, reduction,
+                                  sequence_loss_tokens, counts_sequence)
     return loss, {"normalizer": normalizer}

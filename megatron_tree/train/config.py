@@ -407,7 +407,9 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
-DEFAULT_MICRO_BATCH = {"max_tokens_per_mb": 1024}
+DEFAULT_MICRO_BATCH = {"max_tokens_per_mb": 1024, "chunk_trees": True}
+"""The launcher's micro-batch defaults (``chunk_trees``: on, unlike ``MicroBatchSpec``'s; the trainer runs it where
+the layout allows, pipeline and context parallel size 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -500,7 +502,7 @@ class RunConfig:
 def _section(name: str, klass: type, values: Mapping[str, Any]):
     if klass is MicroBatchSpec:
         try:
-            return MicroBatchSpec.from_dict(values)
+            return MicroBatchSpec.from_dict({"chunk_trees": DEFAULT_MICRO_BATCH["chunk_trees"], **values})
         except (ValueError, TypeError) as e:
             raise ValueError(f"micro_batch: {e}") from None
     fields = [f.name for f in dataclasses.fields(klass)]

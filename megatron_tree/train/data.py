@@ -265,8 +265,9 @@ def _scalar(value: Any, name: str, where: str) -> Any:
     return float(value)
 
 
-def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: int) -> Rollout:
-    """Validate one record (a JSON object or a Parquet row as Python values) into a :class:`Rollout`."""
+def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: int | None) -> Rollout:
+    """Validate one record (a JSON object or a Parquet row as Python values) into a :class:`Rollout`; ``max_len``:
+    the longest sequence a micro-batch takes (None: any, trees larger than a micro-batch run in chunks)."""
     if "input_ids" not in record or record["input_ids"] is None:
         raise ValueError(f"{where}: field 'input_ids' is missing; every rollout needs its token ids")
     ids = _token_array(record["input_ids"], "input_ids", None, where)
@@ -275,9 +276,10 @@ def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: in
         bad = lo if lo < 0 else hi
         raise ValueError(f"{where}: token id {bad} in 'input_ids' is outside the model's vocabulary [0, {vocab}); "
                          f"tokenize with the model's tokenizer")
-    if ids.size > max_len:
+    if max_len is not None and ids.size > max_len:
         raise ValueError(f"{where}: {ids.size} tokens, more than max_tokens_per_mb={max_len}; raise "
-                         f"--max-tokens-per-mb or truncate the sequence")
+                         f"--max-tokens-per-mb, truncate the sequence, or run with --chunk-trees (pipeline and "
+                         f"context parallel size 1)")
     fields = {name: _token_array(record[name], name, ids.size, where)
               for name in TOKEN_FIELDS if record.get(name) is not None}
     mask = fields.get("loss_mask")
@@ -311,7 +313,7 @@ class FileSource:
     group must be consecutive.
     """
 
-    def __init__(self, path: str, *, batch_size: int, vocab: int, max_len: int, need_advantages: bool,
+    def __init__(self, path: str, *, batch_size: int, vocab: int, max_len: int | None, need_advantages: bool,
                  need_ref_logprobs: bool = False):
         self.path, self.batch_size, self.vocab, self.max_len = path, batch_size, vocab, max_len
         self.need_advantages, self.need_ref_logprobs = need_advantages, need_ref_logprobs
@@ -446,7 +448,7 @@ class FileSource:
                              f"again") from None
 
 
-def open_rollout_source(data: DataConfig, *, vocab: int, max_len: int, seed: int, need_advantages: bool,
+def open_rollout_source(data: DataConfig, *, vocab: int, max_len: int | None, seed: int, need_advantages: bool,
                         need_ref_logprobs: bool = False) -> RolloutSource:
     """The source ``data`` (:class:`~megatron_tree.train.config.DataConfig`) describes."""
     if data.path is None:

@@ -171,23 +171,20 @@ def ppo_update(
     train_step = tree_forward_backward if tree else flat_forward_backward
     device = next(actor[0].parameters()).device
 
-    def gather(xs, ids):
-        return torch.cat([xs[i] for i in ids])
-
     def actor_loss(logprobs, mb):
-        ids = mb.sequence_ids
-        if not ids:
+        if not mb.sequence_ids:
             return logprobs.sum(), 0
-        loss, m = ppo_clip_loss(logprobs, gather(g.old, ids), gather(g.advantages, ids), mb.cu_targets,
-                                loss_mask=gather(g.masks, ids), clip_eps=t.clip_eps, reduction="sum")  # fmt: skip
+        gather = mb.gather_targets  # a chunk holds parts of sequences
+        loss, m = ppo_clip_loss(logprobs, gather(g.old), gather(g.advantages), mb.cu_targets,
+                                loss_mask=gather(g.masks), clip_eps=t.clip_eps, reduction="sum")  # fmt: skip
         return loss, m["normalizer"]
 
     def critic_loss(values, mb):
-        ids = mb.sequence_ids
-        if not ids:
+        if not mb.sequence_ids:
             return values.sum(), 0
-        loss, m = value_loss(values, gather(g.old_values, ids), gather(g.returns, ids), mb.cu_targets,
-                             loss_mask=gather(g.masks, ids), clip_eps=t.value_clip, reduction="sum")  # fmt: skip
+        gather = mb.gather_targets
+        loss, m = value_loss(values, gather(g.old_values), gather(g.returns), mb.cu_targets,
+                             loss_mask=gather(g.masks), clip_eps=t.value_clip, reduction="sum")  # fmt: skip
         return loss, m["normalizer"]
 
     # Both backward passes first (separate models and gradient buffers), so that a non-finite loss or

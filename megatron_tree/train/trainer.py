@@ -139,13 +139,6 @@ def make_scheduler(cfg: RunConfig, optimizer):
     )
 
 
-def _range_gather(offsets: np.ndarray, ids: list[int]) -> torch.Tensor:
-    """Indices [sum len] of the ranges ``[offsets[i], offsets[i+1])`` for ``i`` in ``ids``, concatenated."""
-    ids = np.asarray(ids, dtype=np.int64)
-    starts, lens = offsets[ids], offsets[ids + 1] - offsets[ids]
-    return torch.from_numpy(np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum()))
-
-
 def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, policy_old: torch.Tensor | None = None):
     """``loss_fn(logprobs [N], mb) -> (loss_sum, loss tokens)`` for this rank's share ``mine`` of
     ``batch`` (``mb.sequence_ids`` index ``mine``): token-normalised SFT or PPO-clip (+ k3 KL). The PPO ratio's
@@ -167,7 +160,7 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
     advantages = torch.from_numpy(batch.advantages[mine])
 
     def loss_fn(logprobs, mb):
-        index = _range_gather(offsets, mb.sequence_ids)
+        index = torch.from_numpy(mb.target_index(offsets))  # a chunk holds parts of sequences
 
         def at(t):
             return None if t is None else t[index].to(logprobs.device)
@@ -406,9 +399,15 @@ class Trainer:
         self.vocab = self.bridge.hf_config.vocab_size
         p, mb = cfg.parallel, cfg.micro_batch
         divisor = (self.model[0].config.microbatch_group_size_per_vp_stage or p.pp) if p.vpp else 1
-        self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor))
+        # Chunks of trees larger than a micro-batch need the tree model, one pipeline stage, no context parallel.
+        chunk = mb.chunk_trees and self.tree_model and p.pp == 1 and p.cp == 1
+        if mb.chunk_trees and not chunk:
+            self._info("micro_batch.chunk_trees is off: chunks run with pipeline and context parallel size 1 and the "
+                       "tree model only; a tree larger than a micro-batch is split with its shared path recomputed")
+        self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor),
+                                       chunk_trees=chunk)
         self.source = open_rollout_source(
-            cfg.data, vocab=self.vocab, max_len=mb.max_tokens_per_mb, seed=cfg.train.seed,
+            cfg.data, vocab=self.vocab, max_len=None if chunk else mb.max_tokens_per_mb, seed=cfg.train.seed,
             need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.loss == "grpo" and cfg.train.kl_coef > 0,
         )
         if cfg.checkpoint.load:

@@ -24,6 +24,10 @@ PARITY_CASES = {
     "cp2xtp2": (4, ["--cp", "2", "--tp", "2"]),
     "cp2xpp2-vpp2": (4, ["--cp", "2", "--pp", "2", "--vpp", "2"]),
     "cp2xdp2": (4, ["--cp", "2"]),
+    # trees in chunks of 8 slots, fewer than any sequence has (MicroBatchSpec(chunk_trees=True))
+    "chunks-dp2": (2, ["--chunk", "8"]),
+    "chunks-tp2": (2, ["--chunk", "8", "--tp", "2"]),
+    "chunks-ep2-moe": (2, ["--chunk", "8", "--ep", "2", "--arch", "qwen3_moe"]),
 }
 ERROR_CASES = {
     "vpp": (2, ["--pp", "2", "--vpp", "2"], "OK all checks"),
@@ -47,7 +51,9 @@ def runs(tmp_path_factory):
     return TorchrunCases(cases, tmp_path_factory.mktemp("schedule"))
 
 
-@pytest.mark.parametrize("case", PARITY_CASES)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c.startswith("chunks") else c for c in PARITY_CASES]
+)
 @pytest.mark.multiprocess
 def test_tree_step_equals_flat_step(runs, request, case):
     out = runs.output(request, case)

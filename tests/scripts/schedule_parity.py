@@ -5,6 +5,7 @@ micro-batch, same model, same sequences; loss and gradients must agree (relative
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --pp 2 [--vpp 2] --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --ep 2 --arch qwen3_moe --ckpt DIR
     torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --cp 2 --ckpt DIR --dump grads_cp2.pt
+    torchrun --nproc-per-node 2 tests/scripts/schedule_parity.py --chunk 8 --ckpt DIR   # trees in chunks of 8 slots
 
 Runs on CPU (gloo, fp32) and on GPUs (NCCL). With Transformer Engine (GPUs) it also runs the flat
 path Megatron users run (the upstream model, THD-packed micro-batches through cuDNN attention,
@@ -12,7 +13,8 @@ path Megatron users run (the upstream model, THD-packed micro-batches through cu
 gradient error against the fp32 flat step and asserts the tree's is at most 2x the flat paths' worst.
 ``--cp 2`` runs both steps under context parallel (each micro-batch's slots split over 2 ranks);
 ``--dump FILE`` saves the tree step's loss and gradients (rank 0) so a test can compare runs of
-different parallel layouts. With DP > 1 the ranks get unequal numbers of trees; the model is wrapped in Megatron's DDP
+different parallel layouts. ``--chunk N`` packs the tree step with ``chunk_trees=True`` and N slots per
+micro-batch (less than every sequence: each runs in chunks that read their ancestors' keys and values). With DP > 1 the ranks get unequal numbers of trees; the model is wrapped in Megatron's DDP
 and gradients go through ``finalize_model_grads`` (per-token normalisation over all ranks).
 Prints ``PARITY rank=R loss_rel=... grad_rel=...`` and exits non-zero on a mismatch.
 """
@@ -71,6 +73,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--chunk", type=int, help="pack with MicroBatchSpec(chunk_trees=True) and this max_tokens_per_mb")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -108,8 +111,9 @@ def main():
         local = [seqs[i] for i in shares[dp_rank]]
         divisor = (config.microbatch_group_size_per_vp_stage or args.pp) if args.vpp else 1
 
-        tree_mbs = pack_trees(local, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=divisor, n_mbs_divisor=divisor),
-                              dp_group=dp_group if dp > 1 else None)
+        spec = MicroBatchSpec(max_tokens_per_mb=args.chunk or 48, n_mbs=divisor, n_mbs_divisor=divisor,
+                              chunk_trees=args.chunk is not None)
+        tree_mbs = pack_trees(local, spec, dp_group=dp_group if dp > 1 else None)
         flat_mbs = [build_micro_batch(local, [i]) for i in range(len(local))]
         count = torch.tensor([len(flat_mbs)], device="cuda" if cuda else "cpu")
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
@@ -188,9 +192,12 @@ def main():
         if thd and not args.bf16:
             ok = ok and thd_loss_rel < args.tol and thd_grad_rel < args.tol
         if dp > 1:
-            n = torch.tensor([len(tree_mbs)], device="cuda" if cuda else "cpu")
+            from megatron_tree.mcore.chunk_schedule import schedule_steps
+
+            steps = len(schedule_steps(tree_mbs))  # the chunks of a tree are one step
+            n = torch.tensor([steps], device="cuda" if cuda else "cpu")
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
-            ok = ok and int(n) == len(tree_mbs)
+            ok = ok and int(n) == steps
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()

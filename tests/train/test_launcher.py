@@ -539,3 +539,24 @@ def test_ppo_epochs_move_the_ratio_off_one(tmp_path, loss):
         assert one[1]["loss"] == one[0]["loss"]  # ratio 1 by construction
     else:  # both epochs train towards the targets computed before the first: same KL and scores
         assert (two[1]["kl_mean"], two[1]["score_mean"]) == (two[0]["kl_mean"], two[0]["score_mean"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["grpo", "ppo"])
+def test_micro_batches_smaller_than_every_sequence_train_the_same_steps(tmp_path, loss):
+    """``--max-tokens-per-mb 16`` (every sequence is longer; refused before chunked trees): the trees run in chunks
+    and the steps' losses, gradient norms and tree-token ratio are those of micro-batches that hold whole trees."""
+    logs = {}
+    for cap in ("256", "16"):
+        logs[cap] = tmp_path / f"{cap}.jsonl"
+        argv = ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--batch-size", "2", "--no-progress",
+                "--loss", loss, "--max-tokens-per-mb", cap, "--log-jsonl", str(logs[cap])]
+        assert main(argv) == 0
+    whole, chunked = records(logs["256"]), records(logs["16"])
+    assert all(r["micro_batches"] > 2 * w["micro_batches"] for r, w in zip(chunked, whole))
+    for key in ("loss", "grad_norm", "tree_token_ratio", "tree_tokens", "original_tokens"):
+        for r, w in zip(chunked, whole):
+            assert r[key] == pytest.approx(w[key], rel=1e-5), (key, r[key], w[key])
+    refused = tmp_path / "refused.jsonl"
+    assert main(["--config", "configs/tiny_qwen3.yaml", "--steps", "1", "--no-progress", "--max-tokens-per-mb", "16",
+                 "--no-chunk-trees", "--log-jsonl", str(refused)]) == 1

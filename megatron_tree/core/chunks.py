@@ -1,0 +1,155 @@
+"""Cut a tree larger than a micro-batch into chunks that share their ancestors' work (no Megatron import).
+
+Legend: G = slots of the tree (its own forest, DFS pre-order), k = chunks, T = a chunk's slots,
+C = its context slots, E = its exported slots.
+
+A chunk is a contiguous DFS slot range ``[a, b)``. Every slot of it whose ancestor lies before ``a``
+is in the subtree of that ancestor, which therefore is an ancestor of slot ``a``: the *context* of
+the chunk, everything it needs from earlier chunks, is the root path above ``a`` (C slots, root
+first). Likewise the slots of ``[a, b)`` that any later chunk needs are the ancestors of slot ``b``
+inside the chunk: its *exported* slots, a root path too. A later chunk's context takes a prefix
+(the shallowest slots) of each earlier chunk's exported slots. Example, capacity 3::
+
+    trie  a ─ b ┬ c ─ d      slots        a b c | d e f     subtree_end 6 6 4 4 6 6
+                └ e ─ f      chunk 0      a b c             exports a b c (the ancestors of d)
+                             chunk 1      d e f             context a b c; context_mask 6 6 4 | 4 6 6
+                                                            (e and f see a b, not c: c's subtree ends at d)
+
+``[context | own slots]`` is itself a DFS pre-order tree whose interval vector is the context slots'
+subtree ends and the own slots' (both clipped to the chunk's end, shifted by C): the chunk's
+``context_mask``. Its depths are the global ones, so RoPE positions and sliding windows stay exact.
+
+Backward order: chunk c's exported keys and values receive gradients from every chunk that reads
+them, the chunks starting before the end of c's shallowest exported slot's subtree
+(``TreeChunk.last_reader``); c's backward runs after theirs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_tree.core.microbatch import TreeChunk, TreeMicroBatch
+from megatron_tree.core.tree import TokenForest, build_forest, chain_forest
+
+def ancestors_before(forest: TokenForest, a: int) -> np.ndarray:
+    """The ancestors of slot ``a`` (the root path above it), ascending: int64 ``[depth[a]]``; a walk up the nodes."""
+    u = int(np.searchsorted(forest.node_start, a, side="right")) - 1
+    parts = [np.arange(int(forest.node_start[u]), a)]
+    v = int(forest.node_parent[u])
+    while v >= 0:
+        parts.append(np.arange(int(forest.node_start[v]), int(forest.node_start[v] + forest.node_len[v])))
+        v = int(forest.node_parent[v])
+    return np.concatenate(parts[::-1])
+
+
+def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
+    """Chunk boundaries ``[0, b_1, ..., G]`` (int64 ``[k + 1]``), each chunk at most ``capacity`` slots.
+
+    A cut ``b`` (chunk ``[a, b)``) is *free* where the chunk exports nothing (no slot of it is an ancestor of
+    ``b``: a new subtree hangs from an earlier chunk there, the next sample of a prompt), so no later chunk keeps
+    the chunk waiting: its backward runs right after its forward. Each cut is the last free one in
+    ``a + ceil(capacity / 2) .. a + capacity``; else the last free one before (a short chunk that brings the cuts
+    back onto the subtrees); else ``a + capacity`` (inside one long sequence nothing is free).
+    """
+    g = forest.num_tokens
+    bounds = [0]
+    while g - bounds[-1] > capacity:
+        a = bounds[-1]
+        above = np.sort(forest.subtree_end[ancestors_before(forest, a)])  # ends of a's ancestors
+        cuts = np.arange(a + 1, a + capacity + 1)
+        shared = above.shape[0] - np.searchsorted(above, cuts, side="right")  # ancestors of a still open at b
+        free = cuts[forest.depth[cuts] == shared]  # none of b's ancestors inside [a, b)
+        full = free[free >= a + -(-capacity // 2)]
+        bounds.append(int(full[-1]) if full.size else int(free[-1]) if free.size else a + capacity)
+    bounds.append(g)
+    return np.asarray(bounds, np.int64)
+
+
+def build_chunks(
+    seqs: list[np.ndarray],
+    ids: list[int],
+    capacity: int,
+    group: int,
+    pad_to_multiple_of: int = 1,
+    pad_token_id: int = 0,
+    share_prefixes: bool = True,
+) -> list[TreeMicroBatch]:
+    """The chunk micro-batches of the forest of ``seqs[i] for i in ids`` (``ids`` ascending), tree ``group`` of
+    the pack, each at most ``capacity`` slots (module docstring). Each chunk holds the parts of the sequences
+    that pass through its slots (``target_starts``, ``sequence_ends``); a part's targets are those its slots
+    predict. ``share_prefixes=False`` lays each sequence out as its own chain first."""
+    forest = (build_forest if share_prefixes else chain_forest)([seqs[i] for i in ids])
+    end, depth, tokens = forest.subtree_end, forest.depth, forest.tokens
+    bounds = chunk_bounds(forest, capacity)
+    k = bounds.shape[0] - 1
+    starts = bounds[:-1]
+
+    # Every sequence's root path, as entries (sequence, depth) -> slot, with its label (next token).
+    lens = forest.seq_len
+    paths = forest.path_slots(range(len(ids)))  # [sum L]
+    seq_of = np.repeat(np.arange(len(ids)), lens)
+    pos = depth[paths]
+    is_last = pos == np.repeat(lens - 1, lens)
+    flat = np.concatenate([seqs[i] for i in ids])
+    labels = np.roll(flat, -1)  # valid where not is_last
+    chunk_of_entry = np.searchsorted(starts, paths, side="right") - 1
+
+    exports: list[np.ndarray] = []
+    out = []
+    for c in range(k):
+        a, b = int(bounds[c]), int(bounds[c + 1])
+        ctx = ancestors_before(forest, a)  # the context: root first
+        exp = a + np.flatnonzero(end[a:b] > b)  # ancestors of slot b inside the chunk
+        src = np.searchsorted(starts, ctx, side="right") - 1
+        chunk_ids, counts = np.unique(src, return_counts=True)
+        for s_id, n in zip(chunk_ids.tolist(), counts.tolist()):
+            assert np.array_equal(ctx[src == s_id], exports[s_id][:n]), "context must be a prefix of exports"
+        exports.append(exp)
+        last_reader = c if exp.size == 0 else int(np.searchsorted(starts, end[exp[0]], side="left")) - 1
+        own_end = np.minimum(end[a:b], b) - a
+        ctx_end = np.minimum(end[ctx], b) - a
+        chunk = TreeChunk(group=group, index=c, size=k, last_reader=last_reader,
+                          sources=tuple(zip(chunk_ids.tolist(), counts.tolist())))
+        sel = chunk_of_entry == c
+        out.append(_chunk_micro_batch(
+            ids, tokens[a:b], depth[a:b], own_end, ctx.size + np.concatenate([ctx_end, own_end]), exp - a, chunk,
+            seq_of[sel], pos[sel], paths[sel] - a, is_last[sel], labels[sel], pad_to_multiple_of, pad_token_id,
+        ))  # fmt: skip
+    return out
+
+
+def _chunk_micro_batch(ids, tokens, depth, own_end, context_end, export, chunk, seq_of, pos, slots, is_last, labels,
+                       pad_to_multiple_of, pad_token_id) -> TreeMicroBatch:
+    """One chunk from its slots and the path entries ``(seq_of, pos) -> slots`` that lie in it (grouped by
+    sequence, ascending depth)."""
+    t_real = tokens.shape[0]
+    t = -(-t_real // pad_to_multiple_of) * pad_to_multiple_of
+    pad = t - t_real
+    held = np.flatnonzero(np.diff(seq_of, prepend=-1))  # first entry of each held sequence's part
+    last = np.append(held[1:], seq_of.shape[0]) - 1
+    counts = last - held + 1
+    ends = is_last[last]
+    targets = ~is_last
+    cu = np.zeros(held.shape[0] + 1, np.int64)
+    np.cumsum(counts - ends, out=cu[1:])
+    pad_end = np.arange(t_real + 1, t + 1, dtype=np.int64)
+    c = context_end.shape[0] - t_real
+    return TreeMicroBatch(
+        input_ids=torch.from_numpy(np.concatenate([tokens, np.full(pad, pad_token_id, np.int64)]))[None],
+        position_ids=torch.from_numpy(np.concatenate([depth, np.zeros(pad, np.int64)]))[None],
+        attention_mask=torch.from_numpy(np.concatenate([own_end, pad_end]).astype(np.int32))[None],
+        cu_targets=torch.from_numpy(cu.astype(np.int32)),
+        logprob_slots=torch.from_numpy(slots[targets]),
+        logprob_labels=torch.from_numpy(labels[targets]),
+        multiplicity=torch.from_numpy(np.bincount(slots, minlength=t))[None],
+        last_slots=torch.from_numpy(slots[last]),
+        sequence_ids=[ids[s] for s in seq_of[held].tolist()],
+        seq_lens=counts.tolist(),
+        num_tokens=t_real,
+        context_mask=torch.from_numpy(np.concatenate([context_end, c + pad_end]).astype(np.int32))[None],
+        export_slots=torch.from_numpy(export) if export.size else None,
+        chunk=chunk,
+        target_starts=pos[held].tolist(),
+        sequence_ends=ends.tolist(),
+    )

@@ -1,0 +1,165 @@
+"""The chunks of a tree larger than a micro-batch as one step of Megatron's schedule.
+
+A chunk's backward must follow the backwards of every later chunk that reads its keys and values
+(their gradients flow into it, :mod:`megatron_tree.mcore.chunk_context`), while megatron-core's
+no-pipelining schedule runs each micro-batch's backward right after its forward. So one schedule
+step (:class:`ChunkedTree`, one item of the data iterator) is a whole chunked tree: its
+``forward_step`` runs the chunks in DFS order as a stack,
+
+* forward chunk c (its exported keys and values kept per layer, its graph kept);
+* backward every chunk on top of the stack whose last reader has run (``TreeChunk.last_reader``),
+  scaled as megatron-core's ``backward_step`` scales (``config.grad_scale_func``, the MoE aux-loss
+  scale), inside DDP's ``no_sync`` when this is the schedule's last step;
+
+and returns the first chunk's output, whose backward megatron-core then runs last; its loss function
+reports the loss sums and counts of all chunks (Megatron divides by the global count, so per-token
+normalisation is exact). Forward-only, chunks are dropped as soon as their readers have run.
+
+Memory: the stack holds the chunks whose readers are still to come, each with its graph (under full
+activation recompute only its layer inputs, ``[T, h]`` per layer) and its exported keys and values
+(``E x 2 x ng x hn`` per layer, E <= its depth) plus their gradients; beyond the stack, one chunk's
+activations. A chain (one long sequence) keeps every chunk until the end; a prompt with many
+samples keeps the prompt's chunks and one sample's.
+
+Expert parallel: EP ranks exchange tokens in every forward and backward, so every rank must run the
+same sequence of them. There every step runs its chunks' forwards, then their backwards in reverse
+(``uniform``), padded with empty chunks to the largest chunk count of that step on any rank: the
+stack is the whole tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron_tree.core.microbatch import TreeMicroBatch
+from megatron_tree.mcore.chunk_context import ChunkLink, drop_chunk_link, register_chunk_link
+
+__all__ = ["ChunkedTree", "release_chunks", "run_chunked_tree", "schedule_steps"]
+
+
+@dataclass(frozen=True)
+class ChunkedTree:
+    """One schedule step: the chunks of one tree in DFS order (micro-batches on the model's device).
+
+    uniform  all forwards, then all backwards in reverse (expert parallel; module docstring).
+    last     this is the schedule's last step (DDP's overlapped gradient reduction starts after it).
+    """
+
+    chunks: list[TreeMicroBatch]
+    uniform: bool = False
+    last: bool = False
+
+
+def schedule_steps(mbs: list[TreeMicroBatch]) -> list[TreeMicroBatch | list[TreeMicroBatch]]:
+    """``mbs`` with the consecutive chunks of each tree gathered into one list (one step of the schedule)."""
+    steps: list = []
+    for mb in mbs:
+        if mb.chunk is not None and mb.chunk.index > 0:
+            steps[-1].append(mb)
+        else:
+            steps.append([mb] if mb.chunk is not None else mb)
+    return steps
+
+
+def run_chunked_tree(
+    item: ChunkedTree,
+    forward: Callable[[TreeMicroBatch, torch.Tensor], torch.Tensor],
+    loss_func_for: Callable[[TreeMicroBatch], Callable],
+    config,
+    *,
+    train: bool,
+    collect: bool = False,
+) -> tuple[torch.Tensor, Callable]:
+    """Run ``item`` (module docstring); returns ``(first chunk's output, its loss function)`` for megatron-core.
+
+    ``forward(mb, attention_mask)`` runs the model on a chunk; ``loss_func_for(mb)`` is the loss function
+    of a micro-batch (``tree_loss_func``). ``train``: run the backwards (else forward only); ``collect``: the
+    schedule collects outputs (``collect_non_loss_data``), not losses. The returned loss function gives the
+    first chunk's loss with the count and report of all chunks, or with ``non_loss_data=True`` the list of every
+    chunk's outputs in order. The first chunk's keys and values stay until the next step (or
+    :func:`release_chunks`): its backward and recompute come after this returns.
+    """
+    release_chunks()
+    links: list[ChunkLink] = []
+    masks: list[torch.Tensor] = []
+    stack: list[int] = []
+    pending: dict[int, torch.Tensor] = {}  # chunk -> loss whose backward is to come
+    counts, reports, collected = [], [], []
+    root = None
+
+    def backward(c: int) -> None:
+        if train and c in pending:
+            _backward(pending.pop(c), config, item.last)
+        drop_chunk_link(masks[c])
+
+    for c, mb in enumerate(item.chunks):
+        info = mb.chunk
+        context = [] if info is None else [(links[s].store, k) for s, k in info.sources]
+        mask = mb.attention_mask if mb.context_mask is None else mb.context_mask
+        links.append(ChunkLink(context=context, export_slots=mb.export_slots))
+        masks.append(mask)
+        register_chunk_link(mask, links[-1])
+        output = forward(mb, mask)
+        loss_func = loss_func_for(mb)
+        if c == 0:
+            root = (output, loss_func)
+        elif collect:
+            collected.append(loss_func(output, non_loss_data=True))
+        else:
+            loss, count, report = loss_func(output)
+            pending[c] = loss
+            counts.append(count)
+            reports.append(report["loss"])
+        del output
+        stack.append(c)
+        while not item.uniform and len(stack) > 1 and _readers_done(item.chunks[stack[-1]], c):
+            backward(stack.pop())
+    while len(stack) > 1:
+        backward(stack.pop())
+    _FIRST.append(masks[0])
+    output, first = root
+
+    def loss_func(output: torch.Tensor, non_loss_data: bool = False):
+        if non_loss_data:
+            return [first(output, non_loss_data=True), *collected]
+        loss, count, report = first(output)
+        return loss, count + sum(counts), {"loss": report["loss"] + sum(reports)}
+
+    return output, loss_func
+
+
+_FIRST: list[torch.Tensor] = []
+"""Masks of the first chunks whose links outlive :func:`run_chunked_tree` (megatron-core runs their backward)."""
+
+
+def release_chunks() -> None:
+    """Drop the first chunks' links (and kept keys and values): call once their backwards have run."""
+    while _FIRST:
+        drop_chunk_link(_FIRST.pop())
+
+
+def _readers_done(mb: TreeMicroBatch, current: int) -> bool:
+    """Whether every chunk that reads ``mb``'s exported keys and values has run (forward and backward)."""
+    return mb.chunk is None or mb.chunk.last_reader <= current
+
+
+def _backward(loss: torch.Tensor, config, last: bool) -> None:
+    """megatron-core's ``backward_step`` for a chunk's loss: scaled by ``config.grad_scale_func``, the MoE aux
+    losses by the same scale; inside DDP's ``no_sync`` when the schedule's own ``no_sync`` is not open (its last
+    step), so that the gradient reduction starts only after the first chunk's backward."""
+    if not loss.requires_grad:
+        return
+    if config.num_moe_experts:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        one = torch.ones(1, device=loss.device)
+        MoEAuxLossAutoScaler.set_loss_scale(config.grad_scale_func(one) if config.grad_scale_func else one)
+    if config.grad_scale_func is not None:
+        loss = config.grad_scale_func(loss)
+    no_sync = config.no_sync_func if last and config.no_sync_func is not None else contextlib.nullcontext
+    with no_sync():
+        torch.autograd.backward(loss)
