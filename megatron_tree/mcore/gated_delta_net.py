@@ -33,6 +33,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tree.attention.dispatch import PREPARED_MASKS, TreeAttentionBackend
+from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.linear_attention import (
     chunk_gated_delta_rule,
     tree_causal_conv1d,
@@ -200,6 +201,12 @@ class TreeGatedDeltaNet(MegatronModule):
         tree = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype in (torch.int32, torch.int64)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         if tree:
+            if chunk_link(attention_mask) is not None:
+                raise ValueError(
+                    "Gated DeltaNet layers do not carry their recurrent state and conv window across the chunks of a "
+                    "tree larger than a micro-batch yet; raise max_tokens_per_mb to the largest tree (--max-tokens-per-mb), "
+                    "or pack with chunk_trees=False (--no-chunk-trees) so prefix groups are split instead"
+                )
             if b != 1 or tuple(attention_mask.shape) != (1, s):
                 raise ValueError(
                     f"a tree attention_mask must be [1, s] = [1, {s}] with hidden states of batch 1, got mask "

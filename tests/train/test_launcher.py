@@ -560,3 +560,12 @@ def test_micro_batches_smaller_than_every_sequence_train_the_same_steps(tmp_path
     refused = tmp_path / "refused.jsonl"
     assert main(["--config", "configs/tiny_qwen3.yaml", "--steps", "1", "--no-progress", "--max-tokens-per-mb", "16",
                  "--no-chunk-trees", "--log-jsonl", str(refused)]) == 1
+
+
+def test_gated_delta_net_trees_larger_than_a_micro_batch_are_refused(capsys):
+    """A hybrid Gated DeltaNet model (tiny Qwen3.5) whose trees do not fit a micro-batch: one line saying the GDN state
+    does not cross chunks yet and what to do, exit 1, before any update."""
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3_5.yaml"), "--no-progress", "--steps", "1",
+                 "--max-tokens-per-mb", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "do not carry their recurrent state" in err and "--no-chunk-trees" in err
