@@ -22,8 +22,8 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from scripts.parity_common import (
+    run_dist_cases,
     flat_logprobs,
     hf_logprobs_fp64,
     max_diff,
@@ -35,11 +35,10 @@ from scripts.parity_common import (
     weighted_sum,
 )
 
-from megatron_tree.compat import apply_compat_patches
 from megatron_tree.mcore.bridge import build_model
 from megatron_tree.mcore.forward_only import tree_forward_only
 from megatron_tree.mcore.verify import verify_tree_model
-from megatron_tree.runtime import cpu_mode, destroy_distributed, init_cpu_distributed, save_tiny_hf_checkpoint
+from megatron_tree.runtime import init_cpu_distributed, save_tiny_hf_checkpoint
 
 TOL = 1e-5
 _DECAY = ("self_attention.A_log", "self_attention.dt_bias")
@@ -97,18 +96,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    work_dir, cases = sys.argv[1], sys.argv[2:]
-    failed = torch.zeros(1)
-    with apply_compat_patches(), cpu_mode():
-        for case in cases:
-            lp_err, grad_err = run_case(case, work_dir)
-            errs = torch.tensor([lp_err, grad_err])
-            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-            if dist.get_rank() == 0:
-                print(f"{case} logprob={errs[0].item():.3g} grad={errs[1].item():.3g}", flush=True)
-            failed += float(errs.max().item() >= TOL)
-        destroy_distributed()
-    return int(failed.item() > 0)
+    return run_dist_cases(run_case, sys.argv[1], sys.argv[2:], TOL)
 
 
 if __name__ == "__main__":

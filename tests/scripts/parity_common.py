@@ -240,3 +240,24 @@ def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     return max(
         ((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want
     )
+
+
+def run_dist_cases(run_case, work_dir: str, cases: list[str], tol: float) -> int:
+    """Under torchrun: ``run_case(case, work_dir) -> (log-prob error, gradient error)`` for each case (compat patches
+    applied, CPU mode), the worst over ranks printed by rank 0 as ``CASE logprob=... grad=...``; 1 if any reached
+    ``tol``."""
+    import torch.distributed as dist
+
+    from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.runtime import cpu_mode, destroy_distributed
+
+    failed = torch.zeros(1)
+    with apply_compat_patches(), cpu_mode():
+        for case in cases:
+            errs = torch.tensor(run_case(case, work_dir), dtype=torch.float32)
+            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+            if dist.get_rank() == 0:
+                print(f"{case} logprob={errs[0].item():.3g} grad={errs[1].item():.3g}", flush=True)
+            failed += float(errs.max().item() >= tol)
+        destroy_distributed()
+    return int(failed.item() > 0)

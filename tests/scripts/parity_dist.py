@@ -23,8 +23,8 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from scripts.parity_common import (
+    run_dist_cases,
     SLIDING_WINDOW_CASES,
     branching_forest,
     build_model,
@@ -38,13 +38,7 @@ from scripts.parity_common import (
     weighted_sum,
 )
 
-from megatron_tree.runtime import (
-    cpu_mode,
-    destroy_distributed,
-    init_cpu_distributed,
-    save_tiny_hf_checkpoint,
-)
-from megatron_tree.compat import apply_compat_patches
+from megatron_tree.runtime import init_cpu_distributed, save_tiny_hf_checkpoint
 
 TOL = 1e-5
 
@@ -76,18 +70,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    work_dir, cases = sys.argv[1], sys.argv[2:]
-    failed = torch.zeros(1)
-    with apply_compat_patches(), cpu_mode():
-        for case in cases:
-            lp_err, grad_err = run_case(case, work_dir)
-            errs = torch.tensor([lp_err, grad_err])
-            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-            if dist.get_rank() == 0:
-                print(f"{case} logprob={errs[0].item():.3g} grad={errs[1].item():.3g}", flush=True)
-            failed += float(errs.max().item() >= TOL)
-        destroy_distributed()
-    return int(failed.item() > 0)
+    return run_dist_cases(run_case, sys.argv[1], sys.argv[2:], TOL)
 
 
 if __name__ == "__main__":
