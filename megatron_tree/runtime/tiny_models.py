@@ -47,7 +47,8 @@ _SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_t
 def tiny_hf_config(arch: str, **overrides: Any):
     """The Hugging Face config of the tiny ``arch`` model (defaults as :func:`save_tiny_hf_checkpoint`),
     changed by ``overrides``. A key the config class does not define raises ``ValueError``
-    naming the closest valid keys (HF config classes would store a typo silently)."""
+    naming the closest valid keys (HF config classes would store a typo silently). For the hybrids (Qwen3.5,
+    Qwen3-Next) ``layer_types`` follows ``num_hidden_layers`` unless given: every 4th layer full attention."""
     import difflib
 
     import transformers
@@ -160,7 +161,11 @@ def tiny_hf_config(arch: str, **overrides: Any):
         else:
             fix = f"valid keys: {sorted(k for k in valid if not k.startswith('_'))}"
         raise ValueError(f"unknown {class_name} key(s) {unknown} for arch={arch!r}; {fix}")
-    return config_class(**{**common, **extra, **overrides})
+    kwargs = {**common, **extra, **overrides}
+    if "layer_types" in extra and "layer_types" not in overrides:  # hybrids: every 4th layer full attention
+        kwargs["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                 for i in range(kwargs["num_hidden_layers"])]
+    return config_class(**kwargs)
 
 
 def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
