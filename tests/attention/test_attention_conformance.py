@@ -125,8 +125,11 @@ def test_backends_conform_on_cpu_with_a_window(backend):
 def test_flex_windowed_kernel_conforms_on_gpu(window):
     """The windowed flex kernel itself (raw) on the grid's proven flex shapes, routed rows pass or are refused, auto
     runs every windowed call: the raw rows passing is the evidence for ``flex.PROVEN_WINDOWED``; FA4 refuses windows."""
-    rows = run_conformance(["flex", "fa4", "auto"], head_dims=[(64, 64), (128, 128)], gqa_ratios=[1, 2, 4],
-                           dtypes=["bf16", "fp32"], trees=["multi_turn", "grpo_query_slots"], device="cuda", window=window)
+    # a flex compilation per (shape, dtype, window) costs 5-18 s on an H200: a small grid (the full one, every
+    # windowed shape, is `python -m megatron_tree.attention.conformance --window W`; the 128 bf16 2:1 proof is
+    # tests/attention/test_sliding_window.py's)
+    rows = run_conformance(["flex", "fa4", "auto"], head_dims=[(64, 64)], gqa_ratios=[1, 4], dtypes=["bf16", "fp32"],
+                           trees=["grpo_query_slots"], device="cuda", window=window)
     for backend in ("flex", "fa4", "auto"):
         _assert_conforms([r for r in rows if r.backend == backend and r.mode == "routed"], backend)
     assert all(r.status == "pass" for r in rows if r.backend == "auto")
