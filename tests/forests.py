@@ -119,3 +119,9 @@ def dfs_layout(seqs: list[list[int]], padding: int = 0) -> tuple[torch.Tensor, l
         paths.append(path)
     ends += [len(ends) + i + 1 for i in range(padding)]
     return torch.tensor(ends, dtype=torch.int32), paths
+
+
+def pad_end(end: torch.Tensor, length: int) -> torch.Tensor:
+    """Append padding slots (end = j + 1) up to ``length``."""
+    t = end.shape[0]
+    return torch.cat([end, torch.arange(t + 1, length + 1, dtype=end.dtype)])

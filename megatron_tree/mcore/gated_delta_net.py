@@ -41,7 +41,7 @@ from megatron_tree.linear_attention import (
     tree_scan_layout,
 )
 
-__all__ = ["TreeGatedDeltaNet", "check_gated_delta_net_config"]
+__all__ = ["TreeGatedDeltaNet", "check_gated_delta_net_config", "has_gated_delta_net"]
 
 _L2NORM_EPS = 1e-6  # flash-linear-attention's and Hugging Face's l2norm
 
@@ -242,3 +242,10 @@ class TreeGatedDeltaNet(MegatronModule):
         """``out_norm(x) * silu(gate)`` per value head (``x``, ``gate`` ``[..., dv]``), in ``x``'s dtype."""
         y = self.out_norm(x.reshape(-1, x.shape[-1])) * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
         return y.to(x.dtype).reshape(x.shape)
+
+
+def has_gated_delta_net(model: torch.nn.Module | list[torch.nn.Module]) -> bool:
+    """Whether any chunk of ``model`` has a :class:`TreeGatedDeltaNet` layer (their state does not cross the chunks
+    of a tree larger than a micro-batch)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return any(isinstance(m, TreeGatedDeltaNet) for chunk in chunks for m in chunk.modules())

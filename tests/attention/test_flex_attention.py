@@ -21,7 +21,7 @@ from megatron_tree.attention.flex import (
     padded_length,
     tree_block_mask,
 )
-from forests import random_subtree_end
+from forests import pad_end, random_subtree_end
 
 from megatron_tree.core.masks import dense_tree_mask
 
@@ -50,12 +50,6 @@ def brute_force_blocks(end: torch.Tensor, bq: int, bk: int) -> tuple[torch.Tenso
     tiles = dense_tree_mask(end).view(t // bq, bq, t // bk, bk).permute(0, 2, 1, 3)
     anyv, allv = tiles.any(dim=(2, 3)), tiles.all(dim=(2, 3))
     return anyv & ~allv, allv
-
-
-def pad_end(end: torch.Tensor, length: int) -> torch.Tensor:
-    """Append padding slots (end = j + 1) up to ``length``."""
-    t = end.shape[0]
-    return torch.cat([end, torch.arange(t + 1, length + 1, dtype=end.dtype)])
 
 
 def block_mask_to_dense(block_mask, end_padded: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,7 @@ from megatron_tree.core.context_parallel import CP_CHUNKS, context_parallel_layo
 from megatron_tree.attention.flex import classify_blocks, flex_tree_attention, flex_tree_mask, tree_block_mask
 from megatron_tree.core.masks import dense_tree_mask
 from megatron_tree.core.packing import build_micro_batch
-from forests import random_subtree_end
-from test_flex_attention import pad_end
+from forests import pad_end, random_subtree_end
 
 requires_cxx = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor on CPU needs a C++ compiler"

@@ -563,9 +563,12 @@ def test_micro_batches_smaller_than_every_sequence_train_the_same_steps(tmp_path
 
 
 def test_gated_delta_net_trees_larger_than_a_micro_batch_are_refused(capsys):
-    """A hybrid Gated DeltaNet model (tiny Qwen3.5) whose trees do not fit a micro-batch: one line saying the GDN state
-    does not cross chunks yet and what to do, exit 1, before any update."""
+    """A hybrid Gated DeltaNet model (tiny Qwen3.5) whose sequences do not fit a micro-batch: the launcher turns chunked
+    trees off (their GDN state does not cross chunks yet), says so, and refuses the too-long sequences in one line,
+    exit 1, before any update."""
     assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen3_5.yaml"), "--no-progress", "--steps", "1",
                  "--max-tokens-per-mb", "32"]) == 1
-    err = capsys.readouterr().err
-    assert "do not carry their recurrent state" in err and "--no-chunk-trees" in err
+    out = capsys.readouterr()
+    assert "Gated DeltaNet layers do not carry their state across the chunks" in out.out + out.err
+    last = out.err.strip().splitlines()[-1]
+    assert "more than max_tokens_per_mb=32" in last and "raise max_tokens_per_mb to at least" in last, last
