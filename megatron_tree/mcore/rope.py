@@ -61,7 +61,8 @@ class _OneRank:
 
 
 class TreeRotaryEmbedding(torch.nn.Module):
-    """Drop-in for ``GPTModel.rotary_pos_emb`` (or an attention layer's own) that returns the table gathered at ``position_ids``.
+    """Drop-in for ``GPTModel.rotary_pos_emb`` (or an attention layer's own) that returns the table gathered at
+    ``position_ids``.
 
     ``inner`` is the upstream ``RotaryEmbedding`` (or a subclass such as YaRN's). Call
     contract is upstream's: ``forward(max_seq_len, offset=0, packed_seq=False, cp_group=None)``
@@ -155,9 +156,9 @@ def _check_supported(gpt: GPTModel) -> None:
     layers = _layer_ropes(gpt)
     if layers and config.context_parallel_size > 1:
         raise ValueError(
-            f"tree training has not been verified for attention layers with their own RoPE ({type(layers[0]).__name__}: "
-            f"multi-latent attention, Gemma 3's local layers) under context parallel (size "
-            f"{config.context_parallel_size}); use context_parallel_size=1"
+            f"tree training has not been verified for attention layers with their own RoPE "
+            f"({type(layers[0]).__name__}: multi-latent attention, Gemma 3's local layers) under context parallel "
+            f"(size {config.context_parallel_size}); use context_parallel_size=1"
         )
     for layer in layers:
         if not isinstance(layer.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding):
@@ -188,10 +189,10 @@ def _model_rope(gpt: GPTModel) -> bool:
 
 
 # Depths of the tree micro-batches in flight, keyed (weakly) on their attention mask's storage. Multi-latent
-# attention (and LayerRopeSelfAttention) builds its RoPE table inside each layer, in the forward and again in activation recompute (after
-# the model's forward returned); the mask is what megatron hands the layer both times (recompute saves it;
-# its detached copy shares the storage). The entry goes with the mask, after the backward. The interval
-# vector determines the depths, so micro-batches sharing a mask share them too.
+# attention (and LayerRopeSelfAttention) builds its RoPE table inside each layer, in the forward and again in
+# activation recompute (after the model's forward returned); the mask is what megatron hands the layer both times
+# (recompute saves it; its detached copy shares the storage). The entry goes with the mask, after the backward.
+# The interval vector determines the depths, so micro-batches sharing a mask share them too.
 _DEPTHS: "weakref.WeakKeyDictionary[torch.UntypedStorage, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 

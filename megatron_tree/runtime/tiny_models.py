@@ -18,8 +18,8 @@ TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "g
 """The architectures every family-wide test (and the launcher's ``--arch``) runs."""
 
 OTHER_TINY_ARCHS = ("gemma3_text",)
-"""Architectures :func:`tiny_hf_config` also knows, tested in their own files (``tests/mcore/test_gemma3_parity.py``)
-rather than in every family-wide test."""
+"""Architectures :func:`tiny_hf_config` also knows, tested in their own files
+(``tests/mcore/test_gemma3_parity.py``) rather than in every family-wide test."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,

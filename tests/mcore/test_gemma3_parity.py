@@ -65,7 +65,8 @@ def test_bridge_builds_gemma3_layers_and_exports_hf_weights(checkpoints):
     dim = torch.arange(0, 16, 2, dtype=torch.float32) / 16
     torch.testing.assert_close(local_rope.inner.inv_freq, 1.0 / 10_000.0**dim, rtol=0, atol=0)
     torch.testing.assert_close(model.rotary_pos_emb.inner.inv_freq, 1.0 / 1_000_000.0**dim, rtol=0, atol=0)
-    assert model.rotary_pos_emb.inner.seq_len_interpolation_factor == 8.0 and local_rope.inner.seq_len_interpolation_factor is None
+    assert model.rotary_pos_emb.inner.seq_len_interpolation_factor == 8.0
+    assert local_rope.inner.seq_len_interpolation_factor is None
     assert model.share_embeddings_and_output_weights and model.output_layer.weight is None
     hf = load_file(Path(path) / "model.safetensors")
     exported = dict(bridge.export_weights(chunks))
@@ -92,7 +93,8 @@ def test_checks_catch_wrong_rope_and_window(checkpoints, forest):
     path = checkpoints["gemma3"]
     want = hf_logprobs(path, seqs)
     tree = build_model(path, tree=True)[0].eval()
-    local = [layer.self_attention for layer in tree.decoder.layers if isinstance(layer.self_attention, LayerRopeSelfAttention)]
+    local = [layer.self_attention for layer in tree.decoder.layers
+             if isinstance(layer.self_attention, LayerRopeSelfAttention)]
     own = [attn.rotary_pos_emb.inner for attn in local]
     with torch.no_grad():
         for attn in local:  # one RoPE (the global layers': base 1M, linear scaling) for every layer
@@ -101,8 +103,8 @@ def test_checks_catch_wrong_rope_and_window(checkpoints, forest):
         for attn, inner in zip(local, own):  # the local layers' own base, but by packed index instead of depth
             attn.rotary_pos_emb = inner
         packed = max_diff(tree_logprobs(tree, mbs), want)
-        no_window = max_diff(tree_logprobs(build_model(path, tree=True, extra_args={"window_size": None})[0].eval(), mbs),
-                             want)
+        full = build_model(path, tree=True, extra_args={"window_size": None})[0].eval()
+        no_window = max_diff(tree_logprobs(full, mbs), want)
     print(f"one RoPE base: {one_base:.3g}, local RoPE by packed index: {packed:.3g}, no window: {no_window:.3g}")
     assert one_base > 1e-2 and packed > 1e-2 and no_window > 1e-2
     with pytest.raises(ValueError, match="LayerRopeSelfAttention layer's own RoPE rotates slot i as position i"):
