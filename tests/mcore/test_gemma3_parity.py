@@ -5,8 +5,8 @@ scaling 8), the others local (sliding window 4, RoPE base 10k), attention scale 
 zero-centred norms per layer, q/k norms, tanh GeGLU, tied embeddings scaled by ``sqrt(hidden)``; and a 3-layer
 variant at head dim 256. On :func:`branching_forest` (branches up to 12 tokens after a shared prompt, longer than
 the window): tree log-probs vs HF per sequence, the upstream model vs HF, gradients of the tree vs the upstream
-model per sequence (full recompute), weights exported as HF holds them; and what the checks catch (one RoPE base
-for all layers, local RoPE by packed index, no window).
+model per sequence (full recompute), chunks of trees larger than a micro-batch, weights exported as HF holds them;
+and what the checks catch (one RoPE base for all layers, local RoPE by packed index, no window).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from scripts.parity_common import (
     weighted_sum,
 )
 
-from megatron_tree import build_tree_model, check_tree_model
+from megatron_tree import MicroBatchSpec, build_tree_model, check_tree_model, pack_trees, tree_forward_only
 from megatron_tree.attention import PREPARED_MASKS
 from megatron_tree.mcore.layer_rope import LayerRopeSelfAttention
 from megatron_tree.mcore.rope import TreeRotaryEmbedding
@@ -128,6 +128,18 @@ def test_gradients_match_upstream_per_sequence(checkpoints, forest):
     grad_err = relative_grad_error(param_grads(tree), param_grads(flat))
     print(f"gemma3/full recompute: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
     assert lp_err < TOL and grad_err < TOL
+
+
+def test_chunked_trees_match_hf(checkpoints, forest):
+    """Trees larger than a micro-batch (8 slots): chunks read their ancestors' keys; local layers' own RoPE tables
+    cover the context's depths too."""
+    seqs, _ = forest
+    path = checkpoints["gemma3"]
+    chunks = build_model(path, tree=True)
+    got = tree_forward_only(chunks, pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=True)))
+    err = max_diff(dict(enumerate(got)), hf_logprobs(path, seqs))
+    print(f"gemma3 chunked (8-slot micro-batches) vs HF: {err:.3g}")
+    assert err < TOL
 
 
 @pytest.mark.parametrize("overrides,match", [
