@@ -27,18 +27,15 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmod
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-    get_transformer_layer_offset,
-)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet
 from megatron_tree.mcore.rms_norm import RMSNorm
+from megatron_tree.mcore.stage_layers import stage_layer_ids
 
 __all__ = ["hybrid_block_spec", "linear_attention_pattern", "swap_gated_delta_net"]
 
@@ -144,10 +141,6 @@ def hybrid_block_spec(
             for layer in block.layer_specs
         ]
         return dataclasses.replace(block, layer_specs=layers)
-    if config.pipeline_model_parallel_layout is not None:
-        ids = config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)
-    else:
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
     specs = _local_layer_specs(config)
-    return TransformerBlockSubmodules(layer_specs=[specs[i] for i in ids], layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[specs[i] for i in stage_layer_ids(config, vp_stage)],
+                                      layer_norm=RMSNorm)

@@ -29,8 +29,9 @@ from megatron_tree.mcore.hybrid_spec import swap_gated_delta_net
 
 __all__ = ["tree_layer_spec"]
 
-# Self-attentions whose core attention is swapped (multi-latent attention computes its own q / k / v, RoPE
-# included, and hands them to core_attention like SelfAttention; megatron_tree.mcore.rope feeds its RoPE depths).
+# Self-attentions (and their subclasses, e.g. LayerRopeSelfAttention) whose core attention is swapped (multi-latent
+# attention computes its own q / k / v, RoPE included, and hands them to core_attention like SelfAttention;
+# megatron_tree.mcore.rope feeds its RoPE depths).
 _CONVERTIBLE = {(SelfAttention, SelfAttentionSubmodules), (MLASelfAttention, MLASelfAttentionSubmodules)}
 
 
@@ -64,7 +65,8 @@ def _tree_layer(layer: ModuleSpec, index: int, backend: str) -> ModuleSpec:
         )
     if not (
         isinstance(attn, ModuleSpec)
-        and (get_module(attn), type(attn.submodules)) in _CONVERTIBLE
+        and isinstance(get_module(attn), type)
+        and any(issubclass(get_module(attn), cls) and isinstance(attn.submodules, sub) for cls, sub in _CONVERTIBLE)
     ):
         raise ValueError(
             f"{where}: tree attention replaces the core attention of a standard SelfAttention or a "

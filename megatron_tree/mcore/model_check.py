@@ -19,12 +19,11 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 from megatron_tree.mcore.core_attention import TreeCoreAttention
 from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet
-from megatron_tree.mcore.rope import TreeRotaryEmbedding
+from megatron_tree.mcore.rope import LAYER_ROPE_ATTENTIONS, TreeRotaryEmbedding
 
 __all__ = ["check_tree_model"]
 
@@ -60,10 +59,10 @@ def _problems(chunk: torch.nn.Module) -> list[str]:
                     f"{_path(name, 'rotary_pos_emb')} is {_cls(rope)}, which rotates slot i as position i "
                     f"(wrong for every branch laid out after a sibling; convert_to_tree_model swaps it)"
                 )
-        if isinstance(module, MultiLatentAttention) and not isinstance(module.rotary_pos_emb, TreeRotaryEmbedding):
+        if isinstance(module, LAYER_ROPE_ATTENTIONS) and not isinstance(module.rotary_pos_emb, TreeRotaryEmbedding):
             rope_problems.append(
-                f"{_path(name, 'rotary_pos_emb')} is {_cls(module.rotary_pos_emb)}: multi-latent attention rotates "
-                f"slot i as position i (convert_to_tree_model swaps it)"
+                f"{_path(name, 'rotary_pos_emb')} is {_cls(module.rotary_pos_emb)}: this {type(module).__name__} "
+                f"layer's own RoPE rotates slot i as position i (convert_to_tree_model swaps it)"
             )
         if isinstance(module, BaseTransformerLayer):
             attn = getattr(module, "self_attention", None)

@@ -15,8 +15,10 @@ the gathered table serves it unchanged when b == 1.
 
 Multi-latent attention (DeepSeek-V3) has no model-level table: each ``MLASelfAttention`` asks its own
 ``rotary_pos_emb`` (``RotaryEmbedding``, or ``YarnRotaryEmbedding`` returning ``(table, mscale)``) for
-positions ``0..S-1`` inside its forward. Each of those is wrapped the same way, so the decoupled RoPE part
-of its queries and shared key is rotated by depth too.
+positions ``0..S-1`` inside its forward. So does a
+:class:`~megatron_tree.mcore.layer_rope.LayerRopeSelfAttention` (a layer with its own RoPE base: Gemma 3's local
+layers), in place of the model's table. Each of those is wrapped the same way, so the decoupled RoPE part of MLA's
+queries and shared key, and every layer's own RoPE base, rotate by depth too.
 
 A forward pre-hook on each ``GPTModel`` hands ``position_ids`` to its wrapped modules for the duration
 of the forward; every pipeline stage and model chunk is a ``GPTModel`` of its own and gets one.
@@ -41,9 +43,13 @@ from megatron.core.transformer.multi_latent_attention import MultiLatentAttentio
 
 from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.mcore.core_attention import TreeCoreAttention
+from megatron_tree.mcore.layer_rope import LayerRopeSelfAttention
 from megatron_tree.mcore.router_stats import weigh_router_statistics
 
-__all__ = ["TreeRotaryEmbedding", "convert_to_tree_model", "enable_tree_rope"]
+__all__ = ["LAYER_ROPE_ATTENTIONS", "TreeRotaryEmbedding", "convert_to_tree_model", "enable_tree_rope"]
+
+LAYER_ROPE_ATTENTIONS = (MultiLatentAttention, LayerRopeSelfAttention)
+"""Attention layers that build their own RoPE table (``rotary_pos_emb``) inside their forward."""
 
 
 class _OneRank:
@@ -55,7 +61,8 @@ class _OneRank:
 
 
 class TreeRotaryEmbedding(torch.nn.Module):
-    """Drop-in for ``GPTModel.rotary_pos_emb`` (or an MLA layer's) that returns the table gathered at ``position_ids``.
+    """Drop-in for ``GPTModel.rotary_pos_emb`` (or an attention layer's own) that returns the table gathered at
+    ``position_ids``.
 
     ``inner`` is the upstream ``RotaryEmbedding`` (or a subclass such as YaRN's). Call
     contract is upstream's: ``forward(max_seq_len, offset=0, packed_seq=False, cp_group=None)``
@@ -134,8 +141,9 @@ def _gpt_models(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[GPTM
     return found
 
 
-def _mla_layers(gpt: GPTModel) -> list[MultiLatentAttention]:
-    return [m for m in gpt.modules() if isinstance(m, MultiLatentAttention)]
+def _layer_ropes(gpt: GPTModel) -> list[torch.nn.Module]:
+    """The attention layers of ``gpt`` with their own RoPE (:data:`LAYER_ROPE_ATTENTIONS`)."""
+    return [m for m in gpt.modules() if isinstance(m, LAYER_ROPE_ATTENTIONS)]
 
 
 def _check_supported(gpt: GPTModel) -> None:
@@ -145,16 +153,18 @@ def _check_supported(gpt: GPTModel) -> None:
             "tree RoPE does not support multi-latent attention with apply_rope_fusion=True (the fused MLA kernel "
             "reads cos / sin by packed index); build with apply_rope_fusion=False"
         )
-    if config.multi_latent_attention and config.context_parallel_size > 1:
+    layers = _layer_ropes(gpt)
+    if layers and config.context_parallel_size > 1:
         raise ValueError(
-            f"tree training has not been verified for multi-latent attention under context parallel (size "
-            f"{config.context_parallel_size}); use context_parallel_size=1"
+            f"tree training has not been verified for attention layers with their own RoPE "
+            f"({type(layers[0]).__name__}: multi-latent attention, Gemma 3's local layers) under context parallel "
+            f"(size {config.context_parallel_size}); use context_parallel_size=1"
         )
-    for mla in _mla_layers(gpt):
-        if not isinstance(mla.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding):
+    for layer in layers:
+        if not isinstance(layer.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding):
             raise TypeError(
-                f"tree RoPE wraps megatron.core RotaryEmbedding, but an MLA layer's rotary_pos_emb is "
-                f"{type(mla.rotary_pos_emb).__name__}"
+                f"tree RoPE wraps megatron.core RotaryEmbedding, but a {type(layer).__name__} layer's rotary_pos_emb "
+                f"is {type(layer.rotary_pos_emb).__name__}"
             )
     if getattr(gpt, "mtp_process", False):
         raise ValueError(
@@ -179,10 +189,10 @@ def _model_rope(gpt: GPTModel) -> bool:
 
 
 # Depths of the tree micro-batches in flight, keyed (weakly) on their attention mask's storage. Multi-latent
-# attention builds its RoPE table inside each layer, in the forward and again in activation recompute (after
-# the model's forward returned); the mask is what megatron hands the layer both times (recompute saves it;
-# its detached copy shares the storage). The entry goes with the mask, after the backward. The interval
-# vector determines the depths, so micro-batches sharing a mask share them too.
+# attention (and LayerRopeSelfAttention) builds its RoPE table inside each layer, in the forward and again in
+# activation recompute (after the model's forward returned); the mask is what megatron hands the layer both times
+# (recompute saves it; its detached copy shares the storage). The entry goes with the mask, after the backward.
+# The interval vector determines the depths, so micro-batches sharing a mask share them too.
 _DEPTHS: "weakref.WeakKeyDictionary[torch.UntypedStorage, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
@@ -197,17 +207,17 @@ def _tree_rope(inner: RotaryEmbedding, gpt: GPTModel) -> TreeRotaryEmbedding:
 
 
 def _wrap_rotary(gpt: GPTModel) -> None:
-    """Swap in :class:`TreeRotaryEmbedding` (the model's, each MLA layer's) and hand them ``position_ids``:
-    the model's around each forward, an MLA layer's around each of its calls (recompute included), looked
-    up by the attention mask it is called with."""
+    """Swap in :class:`TreeRotaryEmbedding` (the model's, each attention layer's own) and hand them
+    ``position_ids``: the model's around each forward, a layer's around each of its calls (recompute included),
+    looked up by the attention mask it is called with."""
     rope = None
     if _model_rope(gpt):
         rope = gpt.rotary_pos_emb = _tree_rope(gpt.rotary_pos_emb, gpt)
-    mla_layers = _mla_layers(gpt)
-    for mla in mla_layers:
-        mla.rotary_pos_emb = _tree_rope(mla.rotary_pos_emb, gpt)
-        _feed_from_mask(mla)
-    if rope is None and not mla_layers:
+    layers = _layer_ropes(gpt)
+    for layer in layers:
+        layer.rotary_pos_emb = _tree_rope(layer.rotary_pos_emb, gpt)
+        _feed_from_mask(layer)
+    if rope is None and not layers:
         return
     signature = inspect.signature(gpt.forward)
 
@@ -230,7 +240,7 @@ def _wrap_rotary(gpt: GPTModel) -> None:
                 "the model got a tree attention_mask but position_ids=None: pass "
                 "TreeMicroBatch.position_ids (the depth of each slot) on every pipeline stage"
             )
-        if mla_layers and _is_tree_mask(mask):
+        if layers and _is_tree_mask(mask):
             _DEPTHS[mask.untyped_storage()] = pos
         if rope is not None:
             rope.position_ids = pos
@@ -241,9 +251,10 @@ def _wrap_rotary(gpt: GPTModel) -> None:
         gpt.register_forward_hook(lambda *_: _release(rope), with_kwargs=True, always_call=True)
 
 
-def _feed_from_mask(mla: MultiLatentAttention) -> None:
-    """Around each call of ``mla`` (forward and recompute), give its RoPE the depths of the tree mask it gets."""
-    rope, signature = mla.rotary_pos_emb, inspect.signature(mla.forward)
+def _feed_from_mask(layer: torch.nn.Module) -> None:
+    """Around each call of attention ``layer`` (forward and recompute), give its RoPE the depths of the tree mask it
+    gets."""
+    rope, signature = layer.rotary_pos_emb, inspect.signature(layer.forward)
 
     def capture(module, args, kwargs):
         mask = signature.bind(*args, **kwargs).arguments.get("attention_mask")
@@ -251,12 +262,12 @@ def _feed_from_mask(mla: MultiLatentAttention) -> None:
         rope.table_rows = _table_rows(mask)
         if rope.position_ids is None and _is_tree_mask(mask):
             raise ValueError(
-                "a multi-latent attention layer got a tree attention_mask its model was not called with: "
+                f"a {type(layer).__name__} layer got a tree attention_mask its model was not called with: "
                 "call the GPTModel (model(input_ids, position_ids, attention_mask)), not its layers"
             )
 
-    mla.register_forward_pre_hook(capture, with_kwargs=True)
-    mla.register_forward_hook(lambda *_: _release(rope), with_kwargs=True, always_call=True)
+    layer.register_forward_pre_hook(capture, with_kwargs=True)
+    layer.register_forward_hook(lambda *_: _release(rope), with_kwargs=True, always_call=True)
 
 
 def _table_rows(mask: Any) -> int:
@@ -272,7 +283,7 @@ def _release(rope: TreeRotaryEmbedding) -> None:
 def _converted(gpt: GPTModel) -> bool:
     if _model_rope(gpt):
         return isinstance(gpt.rotary_pos_emb, TreeRotaryEmbedding)
-    return any(isinstance(mla.rotary_pos_emb, TreeRotaryEmbedding) for mla in _mla_layers(gpt))
+    return any(isinstance(layer.rotary_pos_emb, TreeRotaryEmbedding) for layer in _layer_ropes(gpt))
 
 
 def _install(gpt: GPTModel) -> None:
@@ -298,9 +309,10 @@ def convert_to_tree_model(model: torch.nn.Module | Iterable[torch.nn.Module]):
     vector; with ``position_ids=None`` on a plain batch, RoPE stays upstream's ``0..S-1``.
     Also marks the models' :class:`TreeCoreAttention` modules as fed correct positions (they
     refuse to run otherwise), and makes their MoE routers count each slot once per sequence
-    through it (:func:`megatron_tree.mcore.router_stats.weigh_router_statistics`). Multi-latent attention
-    layers get their own per-token RoPE. Raises for mrope, multi-token prediction, MoE token dropping, and
-    MLA with fused RoPE or context parallel.
+    through it (:func:`megatron_tree.mcore.router_stats.weigh_router_statistics`). Attention layers with a RoPE
+    of their own (multi-latent attention, :class:`~megatron_tree.mcore.layer_rope.LayerRopeSelfAttention`) get their
+    own per-token RoPE. Raises for mrope, multi-token prediction, MoE token dropping, MLA with fused RoPE, and
+    layers with their own RoPE under context parallel.
     """
     for gpt in _gpt_models(model):
         _install(gpt)

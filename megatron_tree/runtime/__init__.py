@@ -6,9 +6,16 @@ layer below it.
 
 from megatron_tree.runtime.cpu import cpu_mode
 from megatron_tree.runtime.distributed import destroy_distributed, init_cpu_distributed, init_distributed
-from megatron_tree.runtime.tiny_models import TINY_ARCHS, save_hf_config, save_tiny_hf_checkpoint, tiny_hf_config
+from megatron_tree.runtime.tiny_models import (
+    OTHER_TINY_ARCHS,
+    TINY_ARCHS,
+    save_hf_config,
+    save_tiny_hf_checkpoint,
+    tiny_hf_config,
+)
 
 __all__ = [
+    "OTHER_TINY_ARCHS",
     "TINY_ARCHS",
     "cpu_mode",
     "destroy_distributed",

@@ -11,11 +11,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
+__all__ = ["OTHER_TINY_ARCHS", "TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
 
 TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_5",
               "qwen3_next")
-"""The architectures :func:`tiny_hf_config` knows."""
+"""The architectures every family-wide test (and the launcher's ``--arch``) runs."""
+
+OTHER_TINY_ARCHS = ("gemma3_text",)
+"""Architectures :func:`tiny_hf_config` also knows, tested in their own files
+(``tests/mcore/test_gemma3_parity.py``) rather than in every family-wide test."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -38,6 +42,8 @@ _GATED_DELTA_NET = dict(
 conv width 4), then one gated full-attention layer (RoPE on a quarter of each head)."""
 
 
+_GEMMA3_LAYER = "sliding_attention"
+
 _SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
                        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1)
 """GLM-4.5's and DeepSeek-V3's MoE (the same HF keys): layer 0 dense, then 4 sigmoid-routed experts of FFN 32,
@@ -47,8 +53,9 @@ _SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_t
 def tiny_hf_config(arch: str, **overrides: Any):
     """The Hugging Face config of the tiny ``arch`` model (defaults as :func:`save_tiny_hf_checkpoint`),
     changed by ``overrides``. A key the config class does not define raises ``ValueError``
-    naming the closest valid keys (HF config classes would store a typo silently). For the hybrids (Qwen3.5,
-    Qwen3-Next) ``layer_types`` follows ``num_hidden_layers`` unless given: every 4th layer full attention."""
+    naming the closest valid keys (HF config classes would store a typo silently). ``layer_types`` follows
+    ``num_hidden_layers`` unless given: for the hybrids (Qwen3.5, Qwen3-Next) every 4th layer full attention, for
+    Gemma 3 every 3rd."""
     import difflib
 
     import transformers
@@ -147,9 +154,23 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 mlp_only_layers=[1],
             ),
         ),
+        "gemma3_text": (  # Gemma 3 text: local (sliding window 4, RoPE base 10k) and global layers (RoPE base 1M,
+            # linear scaling 8 as the 4B-27B models), sandwich norms, qk-norm, GeGLU, tied and scaled embeddings
+            "Gemma3TextConfig",
+            dict(
+                num_hidden_layers=6,
+                layer_types=[_GEMMA3_LAYER, _GEMMA3_LAYER, "full_attention"] * 2,
+                head_dim=16,
+                query_pre_attn_scalar=24,  # attention scale 24 ** -0.5, not head_dim ** -0.5
+                sliding_window=4,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+                tie_word_embeddings=True,
+            ),
+        ),
     }
     if arch not in per_arch:
-        raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS}")
+        raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS + OTHER_TINY_ARCHS}")
     class_name, extra = per_arch[arch]
     config_class = getattr(transformers, class_name)
     valid = {*config_class().to_dict(), *config_class.attribute_map, *common, *extra}
@@ -162,8 +183,9 @@ def tiny_hf_config(arch: str, **overrides: Any):
             fix = f"valid keys: {sorted(k for k in valid if not k.startswith('_'))}"
         raise ValueError(f"unknown {class_name} key(s) {unknown} for arch={arch!r}; {fix}")
     kwargs = {**common, **extra, **overrides}
-    if "layer_types" in extra and "layer_types" not in overrides:  # hybrids: every 4th layer full attention
-        kwargs["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+    if "layer_types" in extra and "layer_types" not in overrides:  # follow num_hidden_layers
+        every, other = (3, _GEMMA3_LAYER) if arch == "gemma3_text" else (4, "linear_attention")
+        kwargs["layer_types"] = ["full_attention" if (i + 1) % every == 0 else other
                                  for i in range(kwargs["num_hidden_layers"])]
     return config_class(**kwargs)
 
@@ -183,7 +205,10 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     text: 4 layers, 3 Gated DeltaNet (2 key heads of dim 16, 4 value heads of dim 8, conv width 4) then one full
     attention with an output gate, q/k norms and RoPE on a quarter of each head; zero-centred RMSNorms; dense MLPs),
     ``"qwen3_next"`` (Qwen3-Next: the same layers, MoE of 4 experts of FFN 32, top-2, normalised, a shared expert of
-    FFN 32 behind a sigmoid gate; layer 1 dense). Defaults: hidden 64,
+    FFN 32 behind a sigmoid gate; layer 1 dense), ``"gemma3_text"`` (Gemma 3 text, :data:`OTHER_TINY_ARCHS`: 6 layers,
+    every 3rd global (RoPE base 1M, linear scaling 8), the others local (sliding window 4, RoPE base 10k); attention
+    scale ``24 ** -0.5``; four zero-centred RMSNorms per layer, q/k norms, GeGLU (tanh GeLU), embeddings scaled by
+    ``sqrt(hidden)`` and tied). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around their initial value (1, or 0

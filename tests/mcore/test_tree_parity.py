@@ -107,7 +107,7 @@ def test_mla_packed_index_rope_is_detected(checkpoints, forest):
     print(f"MLA tree RoPE: {good:.3g}; packed-index RoPE: {bad:.3g}")
     assert good < LOGPROB_TOL
     assert bad > 1e-3
-    with pytest.raises(ValueError, match="multi-latent attention rotates slot i as position i"):
+    with pytest.raises(ValueError, match="MLASelfAttention layer.s own RoPE rotates slot i as position i"):
         check_tree_model(model)
 
 

@@ -2,7 +2,8 @@
 and parameter gradients (full recompute) vs the upstream model run per sequence.
 
 Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/families_gpu.py WORK_DIR [--no-te] [ARCH ...]
-(ARCH: TINY_ARCHS and the sliding-window cases of parity_common.SLIDING_WINDOW_CASES, all by default)
+(ARCH: TINY_ARCHS, OTHER_TINY_ARCHS (Gemma 3 text) and the sliding-window cases of parity_common.SLIDING_WINDOW_CASES,
+all by default)
 (``tests/mcore/test_families_gpu.py`` runs it both ways). With Transformer Engine importable the
 models are built on the TE spec (mbridge builds it whenever TE runs); ``--no-te`` hides TE from
 this process first (megatron-core's local spec on the GPU). Hugging Face runs on the CPU in fp32.
@@ -36,14 +37,20 @@ from scripts.parity_common import (  # noqa: E402
 
 from megatron_tree.compat import apply_compat_patches  # noqa: E402
 from megatron_tree.core.platform import have_transformer_engine  # noqa: E402
-from megatron_tree.runtime import TINY_ARCHS, destroy_distributed, init_cpu_distributed, save_tiny_hf_checkpoint  # noqa: E402
+from megatron_tree.runtime import (  # noqa: E402
+    OTHER_TINY_ARCHS,
+    TINY_ARCHS,
+    destroy_distributed,
+    init_cpu_distributed,
+    save_tiny_hf_checkpoint,
+)
 
 TOL = 1e-5
 
 
 def check(arch: str, work_dir: str) -> tuple[float, float]:
     """(max |tree - HF| log-prob, relative gradient error tree vs per-sequence upstream) for one family (an arch of
-    ``TINY_ARCHS`` or a sliding-window case of ``SLIDING_WINDOW_CASES``)."""
+    ``TINY_ARCHS`` / ``OTHER_TINY_ARCHS`` or a sliding-window case of ``SLIDING_WINDOW_CASES``)."""
     base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))
     path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, arch), **overrides)
     seqs = branching_forest()
@@ -74,7 +81,7 @@ def main(argv: list[str]) -> int:
     failed = 0
     with apply_compat_patches():
         init_cpu_distributed(tp=1)
-        for arch in archs or (*TINY_ARCHS, *SLIDING_WINDOW_CASES):
+        for arch in archs or (*TINY_ARCHS, *OTHER_TINY_ARCHS, *SLIDING_WINDOW_CASES):
             try:
                 lp, grad = check(arch, work_dir)
                 ok = lp < TOL and grad < TOL

@@ -2,6 +2,8 @@
 
 - :mod:`~megatron_tree.mcore.bridges.qwen3_hybrid`: Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``),
   hybrid Gated DeltaNet / gated full-attention models.
+- :mod:`~megatron_tree.mcore.bridges.gemma3`: Gemma 3 text (``gemma3_text``; mbridge's ``gemma3`` is the
+  vision-language model): local sliding-window and global layers with their own RoPE bases, sandwich norms.
 
 :func:`register_bridges` makes ``AutoBridge.from_pretrained`` find them; :func:`megatron_tree.build_tree_model`,
 :func:`megatron_tree.build_flat_model` and :func:`megatron_tree.patch_bridge_for_tree_training` call it. Registering
@@ -10,11 +12,12 @@ adds model types only: no mbridge behaviour for other types changes. Idempotent.
 
 from __future__ import annotations
 
+from megatron_tree.mcore.bridges.gemma3 import Gemma3TextBridge
 from megatron_tree.mcore.bridges.qwen3_hybrid import Qwen3NextBridge, Qwen35Bridge
 
-__all__ = ["BRIDGES", "Qwen35Bridge", "Qwen3NextBridge", "register_bridges"]
+__all__ = ["BRIDGES", "Gemma3TextBridge", "Qwen35Bridge", "Qwen3NextBridge", "register_bridges"]
 
-BRIDGES = {"qwen3_next": Qwen3NextBridge, "qwen3_5_text": Qwen35Bridge}
+BRIDGES = {"qwen3_next": Qwen3NextBridge, "qwen3_5_text": Qwen35Bridge, "gemma3_text": Gemma3TextBridge}
 """HF ``model_type`` -> our bridge class."""
 
 
