@@ -126,7 +126,11 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_export_weights_gives_back_the_checkpoint(arch, checkpoints):
+def test_export_weights_gives_back_the_checkpoint(arch, checkpoints, tmp_path):
+    """``export_weights`` (and, of a multimodal checkpoint, ``save_weights``: its config) give back exactly the
+    checkpoint's tensors, of a multimodal one exactly its language model's."""
+    import json
+
     from safetensors.torch import load_file
 
     path = checkpoints[arch]
@@ -137,6 +141,11 @@ def test_export_weights_gives_back_the_checkpoint(arch, checkpoints):
     got = dict(bridge.export_weights(chunks))
     assert got.keys() == want.keys() - vision, sorted(set(got) ^ (want.keys() - vision))
     assert [k for k in got if not torch.equal(got[k].cpu(), want[k])] == []
+    if arch in MULTIMODAL:  # a saved copy builds the same bridge again
+        bridge.save_weights(chunks, str(tmp_path))
+        saved = load_file(tmp_path / "model.safetensors")
+        assert saved.keys() == got.keys() and all(torch.equal(saved[k], want[k]) for k in saved)
+        assert json.loads((tmp_path / "config.json").read_text())["model_type"] == bridge.multimodal_config.model_type
 
 
 def test_published_checkpoint_builds_its_language_model(checkpoints, forest):

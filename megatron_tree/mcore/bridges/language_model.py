@@ -4,8 +4,9 @@ Published vision-language checkpoints (HF ``…ForConditionalGeneration``, e.g. 
 keep the language model's config in ``text_config`` and its weights under ``model.language_model.*`` (the
 output head under ``lm_head.*``, the vision tower under ``model.visual.*``). :class:`LanguageModelOf` makes a text
 bridge read such a checkpoint: it builds, loads and exports the language model only, under the checkpoint's own
-names (RL weight sync updates the engine's language model; its vision tower keeps the checkpoint's weights).
-Prompts are text only: there is no vision tower to embed images.
+names (RL weight sync updates the engine's language model; its vision tower keeps the checkpoint's weights);
+``save_weights`` writes those tensors with the multimodal config (no ``model.visual.*`` tensors: copy them from the
+original checkpoint for a complete one). Prompts are text only: there is no vision tower to embed images.
 """
 
 from __future__ import annotations
@@ -53,3 +54,12 @@ class LanguageModelOf:
 
     def _get_hf_shared_weight_keys(self) -> list[str]:
         return [language_model_name(n) for n in super()._get_hf_shared_weight_keys()]
+
+    def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
+        """mbridge's ``save_weights`` (the language model's tensors), with the multimodal config: the directory
+        builds this bridge again."""
+        import torch.distributed as dist
+
+        super().save_weights(models, weights_path, memory_efficient=memory_efficient)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self.multimodal_config.save_pretrained(weights_path)
