@@ -15,11 +15,12 @@ __all__ = ["OTHER_TINY_ARCHS", "TINY_ARCHS", "save_hf_config", "save_tiny_hf_che
 
 TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_5",
               "qwen3_next")
-"""The architectures every family-wide test (and the launcher's ``--arch``) runs."""
+"""The causal-LM architectures every family-wide test (and the launcher's ``--arch``) runs."""
 
-OTHER_TINY_ARCHS = ("gemma3_text",)
-"""Architectures :func:`tiny_hf_config` also knows, tested in their own files
-(``tests/mcore/test_gemma3_parity.py``) rather than in every family-wide test."""
+OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe")
+"""Architectures :func:`tiny_hf_config` also knows, tested in their own files rather than in every family-wide
+test: Gemma 3 text (``tests/mcore/test_gemma3_parity.py``) and the published multimodal Qwen3.5 / Qwen3.5-MoE
+checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``)."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -43,6 +44,13 @@ conv width 4), then one gated full-attention layer (RoPE on a quarter of each he
 
 
 _GEMMA3_LAYER = "sliding_attention"
+_MULTIMODAL = {"qwen3_5_vl": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig"}
+"""Archs saved as published multimodal checkpoints (HF ``…ForConditionalGeneration``): their ``per_arch`` entry is
+the language model's config (``text_config``), wrapped in this config class with :data:`_TINY_VISION`."""
+
+_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, num_position_embeddings=16)
+"""A one-block vision tower (``vision_config``; ``out_hidden_size`` is the language model's hidden size)."""
+
 
 _SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
                        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1)
@@ -55,7 +63,8 @@ def tiny_hf_config(arch: str, **overrides: Any):
     changed by ``overrides``. A key the config class does not define raises ``ValueError``
     naming the closest valid keys (HF config classes would store a typo silently). ``layer_types`` follows
     ``num_hidden_layers`` unless given: for the hybrids (Qwen3.5, Qwen3-Next) every 4th layer full attention, for
-    Gemma 3 every 3rd."""
+    Gemma 3 every 3rd. For the multimodal archs (``qwen3_5_vl``, ``qwen3_5_moe``) ``overrides`` change the language
+    model (``text_config``)."""
     import difflib
 
     import transformers
@@ -141,6 +150,12 @@ def tiny_hf_config(arch: str, **overrides: Any):
             ),
         ),
         "qwen3_5": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # Qwen3.5 text: hybrid layers, dense MLPs
+        "qwen3_5_vl": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # published Qwen3.5: the same language model
+        "qwen3_5_moe": (  # published Qwen3.5-MoE: hybrid layers, MoE in every layer with a gated shared expert
+            "Qwen3_5MoeTextConfig",
+            dict(**_GATED_DELTA_NET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=32),
+        ),
         "qwen3_next": (  # Qwen3-Next: hybrid layers; MoE with a sigmoid-gated shared expert, layer 1 dense
             "Qwen3NextConfig",
             dict(
@@ -187,7 +202,12 @@ def tiny_hf_config(arch: str, **overrides: Any):
         every, other = (3, _GEMMA3_LAYER) if arch == "gemma3_text" else (4, "linear_attention")
         kwargs["layer_types"] = ["full_attention" if (i + 1) % every == 0 else other
                                  for i in range(kwargs["num_hidden_layers"])]
-    return config_class(**kwargs)
+    config = config_class(**kwargs)
+    if arch in _MULTIMODAL:
+        vision = dict(_TINY_VISION, out_hidden_size=config.hidden_size)
+        return getattr(transformers, _MULTIMODAL[arch])(text_config=config, vision_config=vision,
+                                                        tie_word_embeddings=config.tie_word_embeddings)
+    return config
 
 
 def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
@@ -208,26 +228,33 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     FFN 32 behind a sigmoid gate; layer 1 dense), ``"gemma3_text"`` (Gemma 3 text, :data:`OTHER_TINY_ARCHS`: 6 layers,
     every 3rd global (RoPE base 1M, linear scaling 8), the others local (sliding window 4, RoPE base 10k); attention
     scale ``24 ** -0.5``; four zero-centred RMSNorms per layer, q/k norms, GeGLU (tanh GeLU), embeddings scaled by
-    ``sqrt(hidden)`` and tied). Defaults: hidden 64,
+    ``sqrt(hidden)`` and tied), ``"qwen3_5_vl"`` / ``"qwen3_5_moe"`` (published Qwen3.5 /
+    Qwen3.5-MoE checkpoints, ``…ForConditionalGeneration``: a one-block vision tower under ``model.visual``, the
+    language model under ``model.language_model``: ``"qwen3_5"``'s layers; Qwen3.5-MoE's MLPs are MoEs of 4 experts
+    of FFN 32, top-2, normalised, with a shared expert of FFN 32 behind a sigmoid gate). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around their initial value (1, or 0
-    for zero-centred norms) and biases non-zero, so a weight mapped to the wrong place changes the logits.
+    for zero-centred norms) and biases non-zero, so a weight mapped to the wrong place changes the logits. A
+    multimodal checkpoint's vision tower is drawn last: ``"qwen3_5_vl"``'s language model is ``"qwen3_5"``'s, weight
+    for weight (same ``seed`` and overrides).
 
     Under ``torch.distributed`` only rank 0 writes; all ranks then meet at a barrier, so
     call it on every rank after :func:`megatron_tree.runtime.init_distributed`.
     """
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = tiny_hf_config(arch, **overrides)
     path = os.fspath(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+        auto_class = AutoModelForImageTextToText if arch in _MULTIMODAL else AutoModelForCausalLM
+        model = auto_class.from_config(config).to(torch.float32)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for name, param in model.named_parameters():
+            vision_last = sorted(model.named_parameters(), key=lambda item: item[0].startswith("model.visual."))
+            for name, param in vision_last:
                 noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
                 is_norm = param.ndim == 1 and "norm" in name
                 # norms around their initial value: 1, or 0 for zero-centred ones (x / rms * (1 + w))

@@ -369,7 +369,7 @@ class Trainer:
         path, load = self._model_path()
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path).get_text_config()  # a multimodal checkpoint: its language model
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
         check_expert_parallel(hf_config, cfg.parallel.ep, cfg.model.hf_path or f"the tiny {cfg.model.arch} model")
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)

@@ -1,10 +1,15 @@
 """Hybrid Gated DeltaNet models (Qwen3.5, Qwen3-Next) built by our mbridge bridges, on trees (CPU, fp32).
 
+Archs: the text models ``qwen3_5`` and ``qwen3_next``, and the published multimodal checkpoints ``qwen3_5_vl``
+(``qwen3_5``'s language model, weight for weight) and ``qwen3_5_moe`` (MoE in every layer), whose language model is
+built (Hugging Face reference: ``…ForConditionalGeneration`` on text-only input ids).
+
 - tree log-probs == Hugging Face run on each sequence alone (and so are the flat model's);
 - gradients of a weighted sum of them == the flat model run on each sequence alone, recompute none / full /
   selective;
 - ``export_weights`` gives back the checkpoint's tensors under its names (GDN in_proj / conv layouts, the gated
-  q_proj, out_norm's ``w - 1``), and a model that ignores the tree in its GDN layers is caught;
+  q_proj, out_norm's ``w - 1``; of a multimodal checkpoint exactly its language model's), and a model that ignores
+  the tree in its GDN layers is caught;
 - TP=2, PP=2 and EP=2 over gloo (tests/scripts/gdn_parity_dist.py); context parallel is refused.
 
 The forest (``recurrent_forest``) has siblings, strict prefixes, a branch at every depth of a chain and a
@@ -38,8 +43,14 @@ from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet
 from megatron_tree.mcore.model_check import check_tree_model
 from megatron_tree.runtime import save_tiny_hf_checkpoint, tiny_hf_config
 
-ARCHS = ("qwen3_5", "qwen3_next")
+ARCHS = ("qwen3_5", "qwen3_next", "qwen3_5_vl", "qwen3_5_moe")
+MULTIMODAL = ("qwen3_5_vl", "qwen3_5_moe")
 TOL = 1e-5
+NOISE = {"qwen3_5_moe": 4}
+"""Tolerance factors. Qwen3.5-MoE's tiny model (an MoE in every layer) rounds further from the exact values in fp32:
+at seed 0 its tree log-probs are 1.2e-5 off HF in fp64 (the flat model 9.0e-6, HF's fp32 run 6.6e-6) and its tree
+gradients 3.2e-5 relative off the flat model's (layer 0's GDN, through 4 layers of backward); at seeds 1-3 the
+gradients are 9.5e-6 - 1.8e-5 off. A wrong weight or a tree-blind layer is off by more than 1e-3."""
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +92,15 @@ def test_tree_and_flat_logprobs_match_hf(arch, checkpoints, forest, hf, hf64):
     tree_err, flat_err = max_diff(tree_lp, hf64[arch]), max_diff(flat_lp, hf64[arch])
     print(f"{arch}: vs HF fp64: tree {tree_err:.3g}, flat {flat_err:.3g}, HF fp32 {hf_err:.3g}; "
           f"tree vs HF fp32 {max_diff(tree_lp, hf[arch]):.3g}")
-    assert tree_err < TOL and flat_err < TOL and hf_err < TOL
-    assert max_diff(tree_lp, hf[arch]) < 2 * TOL
+    tol = TOL * NOISE.get(arch, 1)
+    assert tree_err < tol and flat_err < tol and hf_err < TOL
+    assert max_diff(tree_lp, hf[arch]) < 2 * tol
 
 
-@pytest.mark.parametrize("arch,recompute", [(a, r) for a in ARCHS for r in ("none", "full", "selective")])
+GRAD_CASES = [(a, r) for a in ("qwen3_5", "qwen3_next") for r in ("none", "full", "selective")] + [("qwen3_5_moe", "full")]
+
+
+@pytest.mark.parametrize("arch,recompute", GRAD_CASES)
 def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest):
     seqs, mbs = forest
     tree = build_model(checkpoints[arch], tree=True, recompute=recompute)[0].train()
@@ -104,22 +119,83 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest)
                                    {n: flat_grads[n] for n in flat_grads.keys() - decay})
     decay_err = relative_grad_error({n: tree_grads[n] for n in decay}, {n: flat_grads[n] for n in decay})
     print(f"{arch}/{recompute}: logprob {lp_err:.3g}, relative grad {grad_err:.3g}, A_log/dt_bias {decay_err:.3g}")
-    assert lp_err < TOL and grad_err < TOL
+    assert lp_err < TOL * NOISE.get(arch, 1) and grad_err < TOL * NOISE.get(arch, 1)
     # A_log / dt_bias: one number per head, summed over every slot's decay gradient, which the chunked backward
     # forms by reverse cumulative sums (fp32 cancellation, whatever the packing): 1.4e-5 measured on qwen3_next.
     assert decay_err < 3 * TOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_export_weights_gives_back_the_checkpoint(arch, checkpoints):
+def test_export_weights_gives_back_the_checkpoint(arch, checkpoints, tmp_path):
+    """``export_weights`` (and, of a multimodal checkpoint, ``save_weights``: its config) give back exactly the
+    checkpoint's tensors, of a multimodal one exactly its language model's."""
+    import json
+
     from safetensors.torch import load_file
 
     path = checkpoints[arch]
     want = load_file(f"{path}/model.safetensors")
+    vision = {k for k in want if k.startswith("model.visual.")}
+    assert bool(vision) == (arch in MULTIMODAL)
     bridge, chunks = bridge_module.build_tree_model(path)
     got = dict(bridge.export_weights(chunks))
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    assert [k for k in want if not torch.equal(got[k].cpu(), want[k])] == []
+    assert got.keys() == want.keys() - vision, sorted(set(got) ^ (want.keys() - vision))
+    assert [k for k in got if not torch.equal(got[k].cpu(), want[k])] == []
+    if arch in MULTIMODAL:  # a saved copy builds the same bridge again
+        bridge.save_weights(chunks, str(tmp_path))
+        saved = load_file(tmp_path / "model.safetensors")
+        assert saved.keys() == got.keys() and all(torch.equal(saved[k], want[k]) for k in saved)
+        assert json.loads((tmp_path / "config.json").read_text())["model_type"] == bridge.multimodal_config.model_type
+
+
+def test_published_checkpoint_builds_its_language_model(checkpoints, forest):
+    """A ``qwen3_5`` checkpoint's model is its language model: the same log-probs, bit for bit, as the text
+    checkpoint holding the same weights (``qwen3_5_vl`` vs ``qwen3_5``), and the same parameter names."""
+    _, mbs = forest
+    text = build_model(checkpoints["qwen3_5"], tree=True)[0].eval()
+    wrapped = build_model(checkpoints["qwen3_5_vl"], tree=True)[0].eval()
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in text.named_parameters()]
+    with torch.no_grad():
+        want, got = tree_logprobs(text, mbs), tree_logprobs(wrapped, mbs)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_qwen3_5_moe_weight_names(cpu_megatron):
+    """Qwen3.5-MoE's expert, router and shared-expert names: the text model's (``qwen3_5_moe_text``) and, under
+    ``model.language_model.``, the published checkpoint's (``qwen3_5_moe``; ``lm_head`` unchanged)."""
+    from mbridge import AutoBridge
+
+    from megatron_tree.mcore.bridges import register_bridges
+
+    register_bridges()
+    config = tiny_hf_config("qwen3_5_moe")
+    text = AutoBridge.from_config(config.text_config, dtype=torch.float32)
+    wrapped = AutoBridge.from_config(config, dtype=torch.float32)
+    layer = "model.layers.2.mlp"
+    names = {
+        "decoder.layers.2.mlp.experts.linear_fc1.weight3": [f"{layer}.experts.3.gate_proj.weight",
+                                                            f"{layer}.experts.3.up_proj.weight"],
+        "decoder.layers.2.mlp.experts.linear_fc2.weight3": [f"{layer}.experts.3.down_proj.weight"],
+        "decoder.layers.2.mlp.router.weight": [f"{layer}.gate.weight"],
+        "decoder.layers.2.mlp.shared_experts.gate_weight": [f"{layer}.shared_expert_gate.weight"],
+        "decoder.layers.2.mlp.shared_experts.linear_fc2.weight": [f"{layer}.shared_expert.down_proj.weight"],
+        "decoder.layers.2.pre_mlp_layernorm.weight": ["model.layers.2.post_attention_layernorm.weight"],
+        "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
+        "output_layer.weight": ["lm_head.weight"],
+    }
+    for mcore, hf in names.items():
+        assert text._weight_name_mapping_mcore_to_hf(mcore) == hf
+        assert wrapped._weight_name_mapping_mcore_to_hf(mcore) == [n.replace("model.", "model.language_model.")
+                                                                   for n in hf]
+    assert text.config.moe_layer_freq == [1] * 4 and text.config.moe_shared_expert_gate
+    assert not text.config.moe_router_pre_softmax  # HF normalises the top-k probabilities
+
+
+def test_multimodal_config_without_text_config_is_refused(cpu_megatron):
+    from megatron_tree.mcore.bridges import Qwen35VLBridge
+
+    with pytest.raises(ValueError, match="qwen3_5_text config has no text_config"):
+        Qwen35VLBridge(tiny_hf_config("qwen3_5"), dtype=torch.float32)
 
 
 def test_tree_blind_gated_delta_net_is_caught(checkpoints, forest, hf):

@@ -131,19 +131,25 @@ _HF_LINEAR_ATTENTION_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent
                                  "causal_conv1d_update")
 
 
+def _hf_linear_attention_modules() -> list:
+    """Hugging Face's modelling modules with Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    return [modeling_qwen3_5, modeling_qwen3_5_moe, modeling_qwen3_next]
+
+
 @contextlib.contextmanager
 def hf_pytorch_linear_attention():
     """Hugging Face's Gated DeltaNet layers on their pure-PyTorch kernels: with flash-linear-attention or
     causal-conv1d installed (a GPU host), Hugging Face binds their Triton kernels at import, which cannot run
-    the CPU reference. Unwraps each bound kernel name of the qwen3_5 / qwen3_next modules to the PyTorch function
-    it decorates, for the block."""
+    the CPU reference. Unwraps each bound kernel name of the qwen3_5 / qwen3_5_moe / qwen3_next modules to the
+    PyTorch function it decorates, for the block."""
     from unittest import mock
 
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-    from transformers.models.qwen3_next import modeling_qwen3_next
-
     with contextlib.ExitStack() as stack:
-        for module in (modeling_qwen3_5, modeling_qwen3_next):
+        for module in _hf_linear_attention_modules():
             for name in _HF_LINEAR_ATTENTION_KERNELS:
                 fn = getattr(module, name, None)
                 while fn is not None and hasattr(fn, "__wrapped__"):
@@ -153,12 +159,21 @@ def hf_pytorch_linear_attention():
         yield
 
 
-def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
-    """Log-probs of each sequence run alone through the Hugging Face model (eval, fp32; linear-attention layers on
-    Hugging Face's PyTorch kernels)."""
-    from transformers import AutoModelForCausalLM
+def hf_model(hf_path: str, **kwargs):
+    """The Hugging Face model of a checkpoint, in eval mode: a multimodal one (a config with ``text_config``) as its
+    ``…ForConditionalGeneration`` (run on text-only ``input_ids``), else its causal LM; ``kwargs`` to
+    ``from_pretrained``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float32).eval()
+    path = os.fspath(hf_path)
+    multimodal = getattr(AutoConfig.from_pretrained(path), "text_config", None) is not None
+    return (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_pretrained(path, **kwargs).eval()
+
+
+def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Log-probs of each sequence run alone through the Hugging Face model (:func:`hf_model`, fp32; linear-attention
+    layers on Hugging Face's PyTorch kernels)."""
+    hf = hf_model(hf_path, dtype=torch.float32)
     out = {}
     with torch.no_grad(), hf_pytorch_linear_attention():
         for sid, seq in enumerate(seqs):
@@ -189,17 +204,13 @@ def hf_logprobs_fp64(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Ten
     DeltaNet layers (Qwen3-Next, Qwen3.5) a per-token fp64 delta rule in place of Hugging Face's fp32 one."""
     from unittest import mock
 
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-    from transformers.models.qwen3_next import modeling_qwen3_next
-
-    # eager experts: torch.nn.functional.grouped_mm has no fp64
-    hf = AutoModelForCausalLM.from_pretrained(os.fspath(hf_path), dtype=torch.float64,
-                                              experts_implementation="eager").eval()
+    hf = hf_model(hf_path, dtype=torch.float64, experts_implementation="eager")  # grouped_mm has no fp64
     out = {}
-    rule = "torch_chunk_gated_delta_rule"
-    with torch.no_grad(), hf_pytorch_linear_attention(), mock.patch.object(modeling_qwen3_5, rule, _fp64_chunk_gated_delta_rule), \
-            mock.patch.object(modeling_qwen3_next, rule, _fp64_chunk_gated_delta_rule):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(hf_pytorch_linear_attention())
+        for module in _hf_linear_attention_modules():
+            stack.enter_context(mock.patch.object(module, "torch_chunk_gated_delta_rule", _fp64_chunk_gated_delta_rule))
         for sid, seq in enumerate(seqs):
             ids = torch.tensor(seq)[None]
             logp = torch.log_softmax(hf(ids, use_cache=False).logits[0, :-1], -1)

@@ -1,7 +1,9 @@
 """mbridge bridges for model families mbridge 0.15.1 does not know, registered with mbridge's ``register_model``.
 
-- :mod:`~megatron_tree.mcore.bridges.qwen3_hybrid`: Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``),
-  hybrid Gated DeltaNet / gated full-attention models.
+- :mod:`~megatron_tree.mcore.bridges.qwen3_hybrid`: Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``,
+  ``qwen3_5_moe_text``), hybrid Gated DeltaNet / gated full-attention models, and the language model of the published
+  multimodal Qwen3.5 checkpoints (``qwen3_5``, ``qwen3_5_moe``; no vision tower:
+  :mod:`~megatron_tree.mcore.bridges.language_model`).
 - :mod:`~megatron_tree.mcore.bridges.gemma3`: Gemma 3 text (``gemma3_text``; mbridge's ``gemma3`` is the
   vision-language model): local sliding-window and global layers with their own RoPE bases, sandwich norms.
 
@@ -13,11 +15,25 @@ adds model types only: no mbridge behaviour for other types changes. Idempotent.
 from __future__ import annotations
 
 from megatron_tree.mcore.bridges.gemma3 import Gemma3TextBridge
-from megatron_tree.mcore.bridges.qwen3_hybrid import Qwen3NextBridge, Qwen35Bridge
+from megatron_tree.mcore.bridges.qwen3_hybrid import (
+    Qwen3NextBridge,
+    Qwen35Bridge,
+    Qwen35MoeBridge,
+    Qwen35MoeVLBridge,
+    Qwen35VLBridge,
+)
 
-__all__ = ["BRIDGES", "Gemma3TextBridge", "Qwen35Bridge", "Qwen3NextBridge", "register_bridges"]
+__all__ = ["BRIDGES", "Gemma3TextBridge", "Qwen35Bridge", "Qwen35MoeBridge", "Qwen35MoeVLBridge", "Qwen35VLBridge",
+           "Qwen3NextBridge", "register_bridges"]
 
-BRIDGES = {"qwen3_next": Qwen3NextBridge, "qwen3_5_text": Qwen35Bridge, "gemma3_text": Gemma3TextBridge}
+BRIDGES = {
+    "qwen3_next": Qwen3NextBridge,
+    "qwen3_5_text": Qwen35Bridge,
+    "qwen3_5_moe_text": Qwen35MoeBridge,
+    "qwen3_5": Qwen35VLBridge,
+    "qwen3_5_moe": Qwen35MoeVLBridge,
+    "gemma3_text": Gemma3TextBridge,
+}
 """HF ``model_type`` -> our bridge class."""
 
 

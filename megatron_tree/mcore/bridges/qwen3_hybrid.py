@@ -1,9 +1,10 @@
-"""mbridge bridges of Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``): Gated DeltaNet hybrids.
+"""mbridge bridges of Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``, MoE ``qwen3_5_moe_text``; the
+published multimodal checkpoints ``qwen3_5`` / ``qwen3_5_moe``: their language model): Gated DeltaNet hybrids.
 
-Both models interleave Gated DeltaNet layers with gated full-attention layers (HF ``layer_types``; 3:1 in the
+All interleave Gated DeltaNet layers with gated full-attention layers (HF ``layer_types``; 3:1 in the
 released checkpoints), zero-centred RMSNorms (``x / rms * (1 + w)``: megatron-core's
 ``layernorm_zero_centered_gamma``) and partial RoPE (``partial_rotary_factor``: megatron-core's ``rotary_percent``).
-Qwen3-Next's MLPs are MoE with a sigmoid-gated shared expert; Qwen3.5's are dense. Layers are built by
+Qwen3-Next's and Qwen3.5-MoE's MLPs are MoE with a sigmoid-gated shared expert; Qwen3.5's are dense. Layers are built by
 :func:`megatron_tree.mcore.hybrid_spec.hybrid_block_spec` (TE or local).
 
 Weight layouts, HF <-> megatron-core (dk / dv: key / value head dim, nk / nv: key / value heads, r = nv / nk;
@@ -17,6 +18,9 @@ nh / ng / hd: attention heads, KV groups, head dim, rh = nh / ng):
   Qwen3.5 has ``in_proj_qkv`` (``[q | k | v]``), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
 - Tensor parallel: each rank holds every component's slice (``[q_r | k_r | v_r | z_r | b_r | a_r]``, conv channels
   ``[q_r | k_r | v_r]``), so ``in_proj`` and ``conv1d`` split and merge per component, not as one block.
+- MoE experts: HF checkpoints hold each expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` (transformers >= 5
+  fuses them into ``gate_up_proj`` / ``down_proj`` when it loads and splits them again when it saves);
+  megatron-core's ``linear_fc1`` is ``[gate | up]``.
 - GDN ``out_norm``: HF's gated norm is ``x / rms * w`` (``w`` starts at 1), but megatron-core builds it with the
   config's zero-centred gamma: megatron holds ``w - 1``.
 """
@@ -29,12 +33,47 @@ import torch
 from mbridge.core.llm_bridge import LLMBridge
 
 from megatron_tree.core.platform import have_transformer_engine
+from megatron_tree.mcore.bridges.language_model import LanguageModelOf
 from megatron_tree.mcore.hybrid_spec import hybrid_block_spec
 
-__all__ = ["Qwen35Bridge", "Qwen3NextBridge"]
+__all__ = ["Qwen35Bridge", "Qwen35MoeBridge", "Qwen35MoeVLBridge", "Qwen35VLBridge", "Qwen3NextBridge"]
 
 _LAYER = "model.layers.{layer_number}"
 _LINEAR, _FULL = "linear_attention", "full_attention"
+
+
+_MOE_MLP_MAPPING = {
+    "pre_mlp_layernorm": [f"{_LAYER}.post_attention_layernorm.weight"],
+    "mlp.router.weight": [f"{_LAYER}.mlp.gate.weight"],
+    "shared_experts.linear_fc1.weight": [f"{_LAYER}.mlp.shared_expert.gate_proj.weight",
+                                         f"{_LAYER}.mlp.shared_expert.up_proj.weight"],
+    "shared_experts.linear_fc2.weight": [f"{_LAYER}.mlp.shared_expert.down_proj.weight"],
+    "shared_experts.gate_weight": [f"{_LAYER}.mlp.shared_expert_gate.weight"],
+    "mlp.experts.linear_fc1": [f"{_LAYER}.mlp.experts.{{expert_id}}.gate_proj.weight",
+                               f"{_LAYER}.mlp.experts.{{expert_id}}.up_proj.weight"],
+    "mlp.experts.linear_fc2": [f"{_LAYER}.mlp.experts.{{expert_id}}.down_proj.weight"],
+}
+"""MoE layers (router, experts, sigmoid-gated shared expert) of Qwen3-Next and Qwen3.5-MoE; dense layers as
+``_Qwen3HybridBridge._MLP_MAPPING``."""
+
+
+def _moe_args(hf: Any, sparse: list[int], *, normalise_topk: bool) -> dict[str, Any]:
+    """megatron-core MoE config fields of a softmax top-k router and a sigmoid-gated shared expert (HF
+    ``num_experts``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``); ``sparse``: 1 per MoE layer."""
+    shared = hf.shared_expert_intermediate_size
+    return dict(
+        num_moe_experts=hf.num_experts,
+        moe_layer_freq=sparse,
+        moe_ffn_hidden_size=hf.moe_intermediate_size,
+        moe_router_topk=hf.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not normalise_topk,  # False: softmax over the top-k = normalised top-k
+        moe_router_load_balancing_type="none",  # mbridge's default for RL
+        moe_aux_loss_coeff=hf.router_aux_loss_coef,
+        moe_grouped_gemm=True,
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+    )
 
 
 class _Qwen3HybridBridge(LLMBridge):
@@ -262,46 +301,45 @@ class Qwen35Bridge(_Qwen3HybridBridge):
         return [torch.cat([q, k, v]), z, b, a]
 
 
+class Qwen35MoeBridge(Qwen35Bridge):
+    """Qwen3.5-MoE text models (HF ``Qwen3_5MoeForCausalLM``, ``model_type="qwen3_5_moe_text"``): Qwen3.5's layers
+    with an MoE in every layer (softmax router, top-k always normalised, a sigmoid-gated shared expert)."""
+
+    _MLP_MAPPING = {**Qwen35Bridge._MLP_MAPPING, **_MOE_MLP_MAPPING}
+
+    def _build_config(self):
+        hf = self.hf_config
+        args = self._hybrid_config_args()
+        args.update(_moe_args(hf, [1] * hf.num_hidden_layers, normalise_topk=True))
+        return self._build_base_config(**args)
+
+
+class Qwen35VLBridge(LanguageModelOf, Qwen35Bridge):
+    """The language model of a published Qwen3.5 checkpoint (HF ``Qwen3_5ForConditionalGeneration``,
+    ``model_type="qwen3_5"``): :class:`Qwen35Bridge` on its ``text_config`` and ``model.language_model.*`` weights;
+    no vision tower (text-only prompts)."""
+
+
+class Qwen35MoeVLBridge(LanguageModelOf, Qwen35MoeBridge):
+    """The language model of a published Qwen3.5-MoE checkpoint (HF ``Qwen3_5MoeForConditionalGeneration``,
+    ``model_type="qwen3_5_moe"``), as :class:`Qwen35VLBridge`."""
+
+
 class Qwen3NextBridge(_Qwen3HybridBridge):
     """Qwen3-Next (HF ``Qwen3NextForCausalLM``, ``model_type="qwen3_next"``): MoE layers (softmax router,
     ``norm_topk_prob``, a sigmoid-gated shared expert; ``mlp_only_layers`` / ``decoder_sparse_step`` dense), GDN input
     projection grouped per key head (``in_proj_qkvz``, ``in_proj_ba``)."""
 
     _GDN_IN_PROJ = [f"{_LAYER}.linear_attn.in_proj_qkvz.weight", f"{_LAYER}.linear_attn.in_proj_ba.weight"]
-    _MLP_MAPPING = {
-        **_Qwen3HybridBridge._MLP_MAPPING,
-        "pre_mlp_layernorm": [f"{_LAYER}.post_attention_layernorm.weight"],
-        "mlp.router.weight": [f"{_LAYER}.mlp.gate.weight"],
-        "shared_experts.linear_fc1.weight": [f"{_LAYER}.mlp.shared_expert.gate_proj.weight",
-                                             f"{_LAYER}.mlp.shared_expert.up_proj.weight"],
-        "shared_experts.linear_fc2.weight": [f"{_LAYER}.mlp.shared_expert.down_proj.weight"],
-        "shared_experts.gate_weight": [f"{_LAYER}.mlp.shared_expert_gate.weight"],
-        "mlp.experts.linear_fc1": [f"{_LAYER}.mlp.experts.{{expert_id}}.gate_proj.weight",
-                                   f"{_LAYER}.mlp.experts.{{expert_id}}.up_proj.weight"],
-        "mlp.experts.linear_fc2": [f"{_LAYER}.mlp.experts.{{expert_id}}.down_proj.weight"],
-    }
+    _MLP_MAPPING = {**_Qwen3HybridBridge._MLP_MAPPING, **_MOE_MLP_MAPPING}
 
     def _build_config(self):
         hf = self.hf_config
         args = self._hybrid_config_args()
-        moe = hf.num_experts > 0
-        if moe:
+        if hf.num_experts > 0:
             sparse = [int(i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0)
                       for i in range(hf.num_hidden_layers)]
-            shared = hf.shared_expert_intermediate_size
-            args.update(
-                num_moe_experts=hf.num_experts,
-                moe_layer_freq=sparse,
-                moe_ffn_hidden_size=hf.moe_intermediate_size,
-                moe_router_topk=hf.num_experts_per_tok,
-                moe_router_score_function="softmax",
-                moe_router_pre_softmax=not hf.norm_topk_prob,  # False: softmax over the top-k = normalised top-k
-                moe_router_load_balancing_type="none",  # mbridge's default for RL
-                moe_aux_loss_coeff=hf.router_aux_loss_coef,
-                moe_grouped_gemm=True,
-                moe_shared_expert_intermediate_size=shared or None,
-                moe_shared_expert_gate=bool(shared),
-            )
+            args.update(_moe_args(hf, sparse, normalise_topk=hf.norm_topk_prob))
         return self._build_base_config(**args)
 
     def _in_proj_to_mcore(self, hf_weights):
