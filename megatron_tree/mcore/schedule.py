@@ -56,6 +56,7 @@ from megatron_tree.core.context_parallel import (
     slot_multiple,
 )
 from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
+from megatron_tree.ops.losses import sequence_parts
 from megatron_tree.core.microbatch import TreeMicroBatch
 from megatron_tree.core.packing import build_micro_batch
 from megatron_tree.mcore.chunk_schedule import ChunkedTree, release_chunks, run_chunked_tree, schedule_steps
@@ -313,7 +314,9 @@ def tree_loss_func(
         )  # fmt: skip
         if non_loss_data:
             return tuple(o.detach() for o in outputs) if isinstance(outputs, tuple) else outputs.detach()
-        result = loss_fn(outputs, mb)
+        parts = mb.target_starts is not None and (any(mb.target_starts) or not all(mb.sequence_ends or []))
+        with sequence_parts(parts):
+            result = loss_fn(outputs, mb)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise ValueError(
                 f"loss_fn must return (loss_sum, count), got {type(result).__name__}"

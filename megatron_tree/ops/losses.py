@@ -33,10 +33,30 @@ wiring. Metrics are detached means over this call's loss tokens.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 _NORMALIZATIONS = ("token", "sequence")
 _REDUCTIONS = ("mean", "sum")
+
+
+SEQUENCE_PARTS = contextvars.ContextVar("megatron_tree_sequence_parts", default=False)
+"""True while a loss runs on a micro-batch that holds parts of sequences (a chunk of a tree larger than a micro-batch;
+:func:`megatron_tree.mcore.schedule.tree_loss_func` sets it): ``normalization="sequence"`` then needs
+``sequence_loss_tokens`` and ``counts_sequence``, and without them the losses here refuse instead of dividing each part
+by its own count."""
+
+
+@contextlib.contextmanager
+def sequence_parts(active: bool):
+    """Mark the losses called in the block as running on sequence parts (:data:`SEQUENCE_PARTS`) when ``active``."""
+    token = SEQUENCE_PARTS.set(active)
+    try:
+        yield
+    finally:
+        SEQUENCE_PARTS.reset(token)
 
 
 def _check_logprobs(logprobs: torch.Tensor, name: str = "logprobs") -> None:
@@ -109,6 +129,13 @@ def _reduce(
         numerator = (per_token * mask).sum()
         normalizer = mask.sum()
     else:
+        if SEQUENCE_PARTS.get() and (sequence_loss_tokens is None or counts_sequence is None):
+            raise ValueError(
+                "normalization='sequence' on a micro-batch that holds parts of sequences (a chunk of a tree larger "
+                "than a micro-batch) needs sequence_loss_tokens (each sequence's loss tokens over the whole sequence, "
+                "[n]) and counts_sequence=mb.sequence_ends, or each part would be divided by its own count; pass them, "
+                "use normalization='token', or pack with chunk_trees=False"
+            )
         num_seqs = cu_seqlens.numel() - 1
         seq_of_token = torch.repeat_interleave(
             torch.arange(num_seqs, device=per_token.device), cu_seqlens.diff(), output_size=per_token.numel()

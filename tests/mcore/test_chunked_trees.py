@@ -215,3 +215,22 @@ def test_layouts_that_cannot_run_chunks_are_refused(layout, match, batch):
 
     with pytest.raises(ValueError, match=f"cannot run here: {match}.*pack with chunk_trees=False"):
         _check_chunks_runnable(batch[1], **layout)
+
+
+def test_sequence_normalised_loss_without_whole_counts_is_refused_on_chunks(checkpoints, batch):
+    """The schedule marks a chunk's loss as running on sequence parts: ``normalization="sequence"`` without the whole
+    sequences' counts raises (one line, what to pass) instead of dividing each part by its own count."""
+    from megatron_tree.ops.losses import sft_loss
+
+    _, mbs = batch
+    model = build_model(checkpoints["qwen3"], tree=True)[0].train()
+    model.config.finalize_model_grads_func = lambda *args, **kwargs: None
+    try:
+        with pytest.raises(ValueError, match="holds parts of sequences"):
+            tree_forward_backward([model], mbs, lambda lp, mb: sft_loss(lp, mb.cu_targets, normalization="sequence",
+                                                                         reduction="sum"))
+    finally:
+        model.config.finalize_model_grads_func = None
+        from megatron_tree.mcore.chunk_schedule import release_chunks
+
+        release_chunks()

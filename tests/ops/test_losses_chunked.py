@@ -47,3 +47,21 @@ def test_sequence_normalisation_is_exact_over_chunk_parts():
     for k, (num, den, naive_num, naive_den) in sums.items():
         assert abs(num / den - want[k]) <= 1e-12 * abs(want[k]), (k, num / den, want[k])
         assert abs(naive_num / naive_den - want[k]) > 1e-3 * abs(want[k]), k  # parts counted as sequences: wrong
+
+
+def test_sequence_normalisation_on_parts_without_whole_counts_is_refused():
+    """While a loss runs on sequence parts (``sequence_parts``, which the schedule sets for such chunks), a
+    sequence-normalised loss without ``sequence_loss_tokens`` / ``counts_sequence`` raises instead of dividing each part
+    by its own count; token normalisation, and sequence normalisation with both, run."""
+    import pytest
+
+    from megatron_tree.ops.losses import sequence_parts
+
+    lp, cu = torch.randn(7, dtype=torch.float64), torch.tensor([0, 3, 7])
+    with sequence_parts(True):
+        with pytest.raises(ValueError, match="holds parts of sequences"):
+            sft_loss(lp, cu, normalization="sequence", reduction="sum")
+        sft_loss(lp, cu, normalization="token", reduction="sum")
+        sft_loss(lp, cu, normalization="sequence", reduction="sum", sequence_loss_tokens=torch.tensor([5, 4]),
+                 counts_sequence=torch.tensor([False, True]))
+    sft_loss(lp, cu, normalization="sequence", reduction="sum")  # whole sequences: as before
