@@ -34,8 +34,8 @@ from scripts.parity_common import (
     param_grads,
     recurrent_forest,
     relative_grad_error,
+    tree_and_flat_backward,
     tree_logprobs,
-    weighted_sum,
 )
 
 from megatron_tree.mcore import bridge as bridge_module
@@ -105,13 +105,7 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest)
     seqs, mbs = forest
     tree = build_model(checkpoints[arch], tree=True, recompute=recompute)[0].train()
     flat = build_model(checkpoints[arch], tree=False)[0].train()
-    tree_lp = {}
-    for mb in mbs:  # forward and backward one micro-batch at a time, as training does
-        lp = tree_logprobs(tree, [mb])
-        weighted_sum(lp).backward()
-        tree_lp.update(lp)
-    flat_lp = flat_logprobs(flat, seqs)
-    weighted_sum(flat_lp).backward()
+    tree_lp, flat_lp = tree_and_flat_backward(tree, flat, seqs, mbs)
     lp_err = max_diff(tree_lp, flat_lp)
     tree_grads, flat_grads = param_grads(tree), param_grads(flat)
     decay = {n for n in flat_grads if n.endswith(("self_attention.A_log", "self_attention.dt_bias"))}

@@ -25,8 +25,8 @@ from scripts.parity_common import (
     micro_batches,
     param_grads,
     relative_grad_error,
+    tree_and_flat_backward,
     tree_logprobs,
-    weighted_sum,
 )
 
 from megatron_tree import MicroBatchSpec, build_tree_model, check_tree_model, pack_trees, tree_forward_only
@@ -117,13 +117,7 @@ def test_gradients_match_upstream_per_sequence(checkpoints, forest):
     tree = build_model(path, tree=True, recompute="full")[0].train()
     flat = build_model(path, tree=False)[0].train()
     PREPARED_MASKS.clear()
-    tree_lp = {}
-    for mb in mbs:  # one micro-batch at a time, as training does
-        lp = tree_logprobs(tree, [mb])
-        weighted_sum(lp).backward()
-        tree_lp.update(lp)
-    flat_lp = flat_logprobs(flat, seqs)
-    weighted_sum(flat_lp).backward()
+    tree_lp, flat_lp = tree_and_flat_backward(tree, flat, seqs, mbs)
     lp_err = max_diff(tree_lp, flat_lp)
     grad_err = relative_grad_error(param_grads(tree), param_grads(flat))
     print(f"gemma3/full recompute: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")

@@ -26,8 +26,8 @@ from scripts.parity_common import (
     micro_batches,
     param_grads,
     relative_grad_error,
+    tree_and_flat_backward,
     tree_logprobs,
-    weighted_sum,
 )
 
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -174,16 +174,9 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest,
     real = tree_attention_module.check_subtree_end_values
     monkeypatch.setattr(tree_attention_module, "check_subtree_end_values", lambda e: builds.append(1) or real(e))
     tree_attention_module.PREPARED_MASKS.clear()
-    tree_lp = {}
-    for mb in mbs:  # forward and backward one micro-batch at a time, as training does
-        lp = tree_logprobs(tree, [mb])
-        weighted_sum(lp).backward()
-        tree_lp.update(lp)
-    # One prepared mask per micro-batch: shared by all layers and by the recomputation.
+    tree_lp, flat_lp = tree_and_flat_backward(tree, flat, seqs, mbs)
+    # One prepared mask per micro-batch: shared by all layers and by the recomputation (the flat model prepares none).
     assert len(builds) == len(mbs)
-
-    flat_lp = flat_logprobs(flat, seqs)
-    weighted_sum(flat_lp).backward()
     lp_err = max_diff(tree_lp, flat_lp)
     grad_err = relative_grad_error(param_grads(tree), param_grads(flat))
     print(f"{arch}/{recompute}: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")

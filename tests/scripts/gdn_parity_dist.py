@@ -23,16 +23,15 @@ import sys
 
 import torch
 from scripts.parity_common import (
-    run_dist_cases,
-    flat_logprobs,
     hf_logprobs_fp64,
     max_diff,
     micro_batches,
     param_grads,
     recurrent_forest,
     relative_grad_error,
+    run_dist_cases,
+    tree_and_flat_backward,
     tree_logprobs,
-    weighted_sum,
 )
 
 from megatron_tree.mcore.bridge import build_model
@@ -86,12 +85,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
     assert export_err == 0.0, f"export_weights differs from the checkpoint by {export_err}"
     flat = _build(path, tree=False)[1][0].train()
     tree.train()
-    tree_lp = {}
-    for mb in mbs:
-        lp = tree_logprobs(tree, [mb])
-        weighted_sum(lp).backward()
-        tree_lp.update(lp)
-    weighted_sum(flat_logprobs(flat, seqs)).backward()
+    tree_lp, _ = tree_and_flat_backward(tree, flat, seqs, mbs)
     return max_diff(tree_lp, want), _grad_error(tree, flat)
 
 

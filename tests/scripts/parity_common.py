@@ -253,6 +253,20 @@ def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     )
 
 
+def tree_and_flat_backward(tree, flat, seqs: list[list[int]], mbs) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Backward of :func:`weighted_sum` through the tree model one micro-batch at a time (as training does), then
+    through the flat model, each sequence alone; returns (tree log-probs, flat log-probs), gradients left in
+    ``.grad`` (read them with :func:`param_grads`)."""
+    tree_lp = {}
+    for mb in mbs:
+        lp = tree_logprobs(tree, [mb])
+        weighted_sum(lp).backward()
+        tree_lp.update(lp)
+    flat_lp = flat_logprobs(flat, seqs)
+    weighted_sum(flat_lp).backward()
+    return tree_lp, flat_lp
+
+
 def run_dist_cases(run_case, work_dir: str, cases: list[str], tol: float) -> int:
     """Under torchrun: ``run_case(case, work_dir) -> (log-prob error, gradient error)`` for each case (compat patches
     applied, CPU mode), the worst over ranks printed by rank 0 as ``CASE logprob=... grad=...``; 1 if any reached

@@ -24,18 +24,17 @@ import sys
 
 import torch
 from scripts.parity_common import (
-    run_dist_cases,
     SLIDING_WINDOW_CASES,
     branching_forest,
     build_model,
-    flat_logprobs,
     hf_logprobs,
     max_diff,
     micro_batches,
     param_grads,
     relative_grad_error,
+    run_dist_cases,
+    tree_and_flat_backward,
     tree_logprobs,
-    weighted_sum,
 )
 
 from megatron_tree.runtime import init_cpu_distributed, save_tiny_hf_checkpoint
@@ -57,13 +56,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
             return max_diff(tree_logprobs(tree, mbs), hf_logprobs(path, seqs)), 0.0
     tree = build_model(path, tree=True, recompute=recompute)[0].train()
     flat = build_model(path, tree=False)[0].train()
-    tree_lp = {}
-    for mb in mbs:
-        lp = tree_logprobs(tree, [mb])
-        weighted_sum(lp).backward()
-        tree_lp.update(lp)
-    flat_lp = flat_logprobs(flat, seqs)
-    weighted_sum(flat_lp).backward()
+    tree_lp, flat_lp = tree_and_flat_backward(tree, flat, seqs, mbs)
     lp_err = max_diff(tree_lp, hf_logprobs(path, seqs))
     grad_err = relative_grad_error(param_grads(tree), param_grads(flat))
     return lp_err, grad_err
