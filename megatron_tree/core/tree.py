@@ -76,10 +76,10 @@ class TokenForest:
         """
         nodes = [self.path_nodes(s) for s in seqs]
         nodes = np.concatenate(nodes) if nodes else np.zeros(0, np.int64)
-        return _ranges(self.node_start[nodes], self.node_len[nodes])
+        return concat_ranges(self.node_start[nodes], self.node_len[nodes])
 
 
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+def concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + l)`` for each (s, l), vectorised."""
     total = int(lens.sum())
     if total == 0:

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_tree.core.masks import tree_depths, window_starts
+from megatron_tree.core.tree import concat_ranges
+
 __all__ = ["TreeScanLayout", "tree_scan_layout"]
 
 
@@ -152,7 +155,7 @@ def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int) -> TreeScan
         segs = by_level[first : first + count]
         first += count
         lens = segment_len[segs]
-        level_slots.append(_ranges(segment_start[segs], lens))
+        level_slots.append(concat_ranges(segment_start[segs], lens))
         level_cu.append(np.concatenate([[0], np.cumsum(lens)]))
         level_parent.append(rank_in_level[segment_parent[segs]] if segment_parent[segs[0]] >= 0
                             else np.zeros(0, np.int64))
@@ -183,22 +186,19 @@ def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int) -> TreeScan
 def _parents(end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(parent [T], depth [T]) of a DFS interval encoding ``end`` [T]; ``ValueError`` if the intervals cross.
 
-    ``depth[i] = #{j : j < i < end[j]}``; in DFS pre-order the parent of i is the last slot before i
-    one level up, found for all slots at once by a ``searchsorted`` over the slots sorted by (depth, slot).
+    ``depth[i] = #{j : j < i < end[j]}`` (:func:`~megatron_tree.core.masks.tree_depths`); the parent of a slot is
+    its ancestor one level up, the first slot of a sliding window of 2
+    (:func:`~megatron_tree.core.masks.window_starts`).
     """
     t = end.shape[0]
-    slot = np.arange(t, dtype=np.int64)
-    depth = np.cumsum(np.ones(t, np.int64)) - 1 - np.cumsum(np.bincount(end, minlength=t + 1)[:t])
-    key = depth * (t + 1) + slot
-    ordered = np.sort(key)
-    pos = np.searchsorted(ordered, (depth - 1) * (t + 1) + slot) - 1
-    found = ordered[np.maximum(pos, 0)]
-    parent = np.where(depth > 0, found - (depth - 1) * (t + 1), -1)
+    end_t = torch.from_numpy(end)
+    depth = tree_depths(end_t).numpy()
+    parent = np.where(depth > 0, window_starts(end_t, 2).numpy(), -1)
     # a valid encoding nests: the parent's subtree holds the slot's subtree
     child = np.flatnonzero(depth > 0)
     p = parent[child]
-    bad = child[(pos[child] < 0) | (p < 0) | (p >= child) | (end[np.clip(p, 0, t - 1)] < end[child])
-                | (end[np.clip(p, 0, t - 1)] <= child)]
+    end_p = end[np.clip(p, 0, t - 1)]
+    bad = child[(p < 0) | (p >= child) | (end_p < end[child]) | (end_p <= child)]
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"subtree_end is not a DFS interval encoding: the subtree of slot {i} [{i}, {int(end[i])}) "
@@ -219,9 +219,3 @@ def _ancestors(parent: np.ndarray, count: int) -> np.ndarray:
         table[:, c] = up
     table[table < 0] = t
     return table
-
-
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + l)`` for each (s, l), vectorised."""
-    offsets = np.cumsum(lens) - lens
-    return np.repeat(starts - offsets, lens) + np.arange(int(lens.sum()), dtype=np.int64)
