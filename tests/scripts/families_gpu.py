@@ -7,8 +7,9 @@ all by default)
 (``tests/mcore/test_families_gpu.py`` runs it both ways). With Transformer Engine importable the
 models are built on the TE spec (mbridge builds it whenever TE runs); ``--no-te`` hides TE from
 this process first (megatron-core's local spec on the GPU). Hugging Face runs on the CPU in fp32.
-Prints one line per family, ``ARCH spec=te|local logprob=... grad=...``, and exits 1 when any
-family is off by more than 1e-5 (or fails to build / run, with the error on its line).
+Prints one line per family, ``ARCH spec=te|local logprob=... grad=... decay_grad=... (worst: PARAM)``, and exits 1
+when any family is off by more than 1e-5 (Gated DeltaNet's A_log / dt_bias gradients: 3e-5, :data:`DECAY`), or fails
+to build / run (with the error on its line).
 """
 
 from __future__ import annotations
@@ -48,8 +49,16 @@ from megatron_tree.runtime import (  # noqa: E402
 TOL = 1e-5
 
 
-def check(arch: str, work_dir: str) -> tuple[float, float]:
-    """(max |tree - HF| log-prob, relative gradient error tree vs per-sequence upstream) for one family (an arch of
+DECAY = ("self_attention.A_log", "self_attention.dt_bias")
+"""Gated DeltaNet's per-head decay parameters: their gradient sums every slot's decay gradient, formed by reverse
+cumulative sums (fp32 cancellation, whatever the packing); held to ``DECAY_TOL`` as on CPU
+(``tests/mcore/test_gated_delta_net_parity.py``)."""
+DECAY_TOL = 3 * TOL
+
+
+def check(arch: str, work_dir: str) -> tuple[float, float, float, str]:
+    """(max |tree - HF| log-prob, relative gradient error tree vs per-sequence upstream outside :data:`DECAY`, the
+    same over :data:`DECAY` (0 without GDN layers), the parameter with the largest error) for one family (an arch of
     ``TINY_ARCHS`` / ``OTHER_TINY_ARCHS`` or a sliding-window case of ``SLIDING_WINDOW_CASES``)."""
     base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))
     path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, arch), **overrides)
@@ -65,7 +74,11 @@ def check(arch: str, work_dir: str) -> tuple[float, float]:
     # compile on the GPU host's Triton 3.6 (CompilationError), and the tree model runs unfused RoPE for MLA anyway.
     flat = build_model(path, tree=False, extra_args={"apply_rope_fusion": False})[0].train()
     weighted_sum(flat_logprobs(flat, seqs)).backward()
-    return lp_err, relative_grad_error(param_grads(tree), param_grads(flat))
+    got, want = param_grads(tree), param_grads(flat)
+    errs = {n: relative_grad_error({n: got[n]}, {n: want[n]}) for n in want}
+    decay = [e for n, e in errs.items() if n.endswith(DECAY)]
+    return (lp_err, max(e for n, e in errs.items() if not n.endswith(DECAY)), max(decay, default=0.0),
+            max(errs, key=errs.get))
 
 
 def main(argv: list[str]) -> int:
@@ -83,9 +96,10 @@ def main(argv: list[str]) -> int:
         init_cpu_distributed(tp=1)
         for arch in archs or (*TINY_ARCHS, *OTHER_TINY_ARCHS, *SLIDING_WINDOW_CASES):
             try:
-                lp, grad = check(arch, work_dir)
-                ok = lp < TOL and grad < TOL
-                print(f"{arch} spec={spec} logprob={lp:.3g} grad={grad:.3g}{'' if ok else ' FAIL'}", flush=True)
+                lp, grad, decay, worst = check(arch, work_dir)
+                ok = lp < TOL and grad < TOL and decay < DECAY_TOL
+                print(f"{arch} spec={spec} logprob={lp:.3g} grad={grad:.3g} decay_grad={decay:.3g} (worst: {worst})"
+                      f"{'' if ok else ' FAIL'}", flush=True)
             except Exception as e:  # one family's failure must not hide the others' results
                 ok = False
                 traceback.print_exc()
