@@ -15,6 +15,9 @@
 - ``idle_by_host_op``: device idle time (gaps between kernels) by what the host was running
   at each gap's midpoint, ``{"innermost": {op: ms}, "outermost": {op: ms}}``, top entries only
   (CUDA only; the profiler's own host overhead inflates gaps alike in every mode);
+- ``idle_gaps``: how the idle time splits by gap length (``{"under_1ms": [count, ms], "1_to_10ms": ...,
+  "over_10ms": ...}``: many short gaps = launches slower than the kernels; long ones = a sync, then Python) and the
+  :data:`LONGEST_GAPS` longest, ``[ms, innermost host op, outermost host op]`` (CUDA only);
 - ``regions_ms``: device time (CPU: CPU time) under the ops named in :data:`REGIONS`, each
   counted once where matches nest (autograd's ``evaluate_function`` wrapper and the node).
 
@@ -34,8 +37,10 @@ from torch.profiler import ProfilerActivity, profile
 
 OPTIMIZER_REGION = "bench.optimizer"
 TOP_KERNELS = 12
+LONGEST_GAPS = 8
 KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("flex", "triton_tem")),  # FlexAttention's forward / backward templates
+    # FlexAttention's templates, FA4 (CuTe: its names hold "cutlass" too), cuDNN's fused attention
+    ("attention", ("flex", "triton_tem", "flash_attn", "sdpa", "fmha")),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),
     ("communication", ("nccl",)),
     ("optimizer", ("multi_tensor", "adam")),
@@ -69,13 +74,16 @@ def _busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, list[tu
     return total / 1e3, gaps
 
 
-def _idle_by_host_op(events, gaps: list[tuple[float, float]], top: int = 6, walk: int = 5000) -> dict:
+def _idle_by_host_op(events, gaps: list[tuple[float, float]], top: int = 6, walk: int = 5000) -> tuple[dict, dict]:
     """Gap time attributed to the innermost (latest-starting) host op containing each gap's
-    midpoint, and to that op's outermost ancestor (``<none>`` where no op contains it)."""
+    midpoint, and to that op's outermost ancestor (``<none>`` where no op contains it); and the
+    ``idle_gaps`` summary (module docstring)."""
     cpu = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start)
     starts = [e.time_range.start for e in cpu]
     inner: dict[str, float] = {}
     outer: dict[str, float] = {}
+    bins = {"under_1ms": [0, 0.0], "1_to_10ms": [0, 0.0], "over_10ms": [0, 0.0]}
+    longest = []
     for lo, hi in gaps:
         mid, found = (lo + hi) / 2, None
         i = bisect.bisect_right(starts, mid) - 1
@@ -86,10 +94,16 @@ def _idle_by_host_op(events, gaps: list[tuple[float, float]], top: int = 6, walk
         root = found
         while root is not None and root.cpu_parent is not None:
             root = root.cpu_parent
-        for table, event in ((inner, found), (outer, root)):
-            name = "<none>" if event is None else event.name[:60]
-            table[name] = table.get(name, 0.0) + (hi - lo) / 1e3
-    return {k: dict(sorted(v.items(), key=lambda x: -x[1])[:top]) for k, v in (("innermost", inner), ("outermost", outer))}
+        ms = (hi - lo) / 1e3
+        names = ["<none>" if event is None else event.name[:60] for event in (found, root)]
+        for table, name in zip((inner, outer), names):
+            table[name] = table.get(name, 0.0) + ms
+        entry = bins["under_1ms" if ms < 1 else "1_to_10ms" if ms < 10 else "over_10ms"]
+        entry[0] += 1
+        entry[1] += ms
+        longest.append([ms, *names])
+    by_op = {k: dict(sorted(v.items(), key=lambda x: -x[1])[:top]) for k, v in (("innermost", inner), ("outermost", outer))}
+    return by_op, {**bins, "longest": sorted(longest, key=lambda x: -x[0])[:LONGEST_GAPS]}
 
 
 def summarize(events, wall_s: float, cuda: bool) -> dict:
@@ -121,13 +135,15 @@ def summarize(events, wall_s: float, cuda: bool) -> dict:
                 total += (e.device_time_total if cuda else e.cpu_time_total) / 1e3
         regions[region] = total
     busy_ms, gaps = _busy_and_gaps(intervals)
+    by_op, idle_gaps = _idle_by_host_op(events, gaps) if cuda else ({}, {})
     return {
         "wall_ms": wall_s * 1e3,
         "busy_ms": busy_ms,
         "kernels_ms": dict(sorted(kernels.items())),
         "regions_ms": regions,
         "top_kernels": sorted(per_name.values(), key=lambda x: -x[1])[:TOP_KERNELS],
-        "idle_by_host_op": _idle_by_host_op(events, gaps) if cuda else {},
+        "idle_by_host_op": by_op,
+        "idle_gaps": idle_gaps,
     }
 
 

@@ -41,6 +41,11 @@ from megatron_tree.mcore.chunk_context import ChunkLink, drop_chunk_link, regist
 __all__ = ["ChunkedTree", "release_chunks", "run_chunked_tree", "schedule_steps"]
 
 
+FORWARD_RANGE, BACKWARD_RANGE = "megatron_tree.chunk_forward", "megatron_tree.chunk_backward"
+"""``torch.profiler`` ranges around each chunk's forward and the backwards this module runs (all but the first
+chunk's, which megatron-core runs)."""
+
+
 @dataclass(frozen=True)
 class ChunkedTree:
     """One schedule step: the chunks of one tree in DFS order (micro-batches on the model's device).
@@ -103,7 +108,8 @@ def run_chunked_tree(
         links.append(ChunkLink(context=context, export_slots=mb.export_slots))
         masks.append(mask)
         register_chunk_link(mask, links[-1])
-        output = forward(mb, mask)
+        with torch.profiler.record_function(FORWARD_RANGE):
+            output = forward(mb, mask)
         loss_func = loss_func_for(mb)
         if c == 0:
             root = (output, loss_func)
@@ -161,5 +167,5 @@ def _backward(loss: torch.Tensor, config, last: bool) -> None:
     if config.grad_scale_func is not None:
         loss = config.grad_scale_func(loss)
     no_sync = config.no_sync_func if last and config.no_sync_func is not None else contextlib.nullcontext
-    with no_sync():
+    with no_sync(), torch.profiler.record_function(BACKWARD_RANGE):
         torch.autograd.backward(loss)

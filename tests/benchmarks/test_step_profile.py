@@ -31,6 +31,8 @@ def test_union_and_categories():
     assert _busy_and_gaps([(0, 1000), (500, 1500), (3000, 4000), (3100, 3200), (4500, 4600)])[1] == [
         (1500, 3000), (4000, 4500)]
     assert _category("triton_tem_fused_flex_attention_0") == "attention"
+    assert _category("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_obj") == "attention"
+    assert _category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
     assert _category("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_NTN") == "gemm"
     assert _category("triton_poi_fused_add_0") == "compiled_other"
     assert _category("elementwise_kernel<128, 4>") == "other"
@@ -47,6 +49,8 @@ def test_idle_attributed_to_the_host_op_running():
 
     step = op("step", 0, 10_000)
     events = [step, op("aten::item", 1000, 2000, step), op("optimizer", 5000, 9000, step)]
-    out = _idle_by_host_op(events, [(1200, 1800), (6000, 7000), (12_000, 13_000)])
-    assert out["innermost"] == {"optimizer": 1.0, "<none>": 1.0, "aten::item": 0.6}
-    assert out["outermost"] == {"step": 1.6, "<none>": 1.0}
+    out, gaps = _idle_by_host_op(events, [(1200, 1800), (6000, 7000), (12_000, 13_000), (20_000, 32_000)])
+    assert out["innermost"] == {"<none>": 13.0, "optimizer": 1.0, "aten::item": 0.6}
+    assert out["outermost"] == {"<none>": 13.0, "step": 1.6}
+    assert gaps["under_1ms"] == [1, 0.6] and gaps["1_to_10ms"] == [2, 2.0] and gaps["over_10ms"] == [1, 12.0]
+    assert gaps["longest"][:2] == [[12.0, "<none>", "<none>"], [1.0, "optimizer", "step"]]
