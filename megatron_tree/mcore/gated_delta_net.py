@@ -9,9 +9,13 @@ heads per TP rank, dk / dv = their head dims, K = conv kernel width.
 (int ``[1, s]``), each slot's causal conv window and its recurrent state come from its root path
 (:func:`megatron_tree.linear_attention.tree_causal_conv1d` / ``tree_gated_delta_rule``), not from the slots
 laid out before it; the scan layout is built once per micro-batch and cached on the mask's memory (shared by
-the layers and by activation recompute, as the tree attention's prepared mask is). Given no mask (or a boolean
-one, which megatron-core's layer ignores too) each row is one causal sequence (``chunk_gated_delta_rule``):
-the flat reference. Computes on CPU without flash-linear-attention (the ops pick their kernels).
+the layers and by activation recompute, as the tree attention's prepared mask is). Given THD
+``packed_seq_params`` (Megatron's sequence packing, the flat baseline: batch 1, sequence n in slots
+``[cu_seqlens_q[n], cu_seqlens_q[n+1])``) each sequence runs alone, its conv window and state starting at its first
+slot, on the same kernels as a tree (:func:`megatron_tree.linear_attention.packed_scan_layout`: each sequence a chain;
+cached on ``cu_seqlens_q``'s memory). Given no mask (or a boolean one, which megatron-core's layer ignores too) each
+row is one causal sequence (``chunk_gated_delta_rule``). Computes on CPU without flash-linear-attention (the ops pick
+their kernels).
 
 Per value head (GQA-like: key head ``i // (Hv / Hk)`` serves value head i)::
 
@@ -32,10 +36,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tree.attention.dispatch import PREPARED_MASKS, TreeAttentionBackend
+from megatron_tree.attention.dispatch import PREPARED_MASKS
 from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.linear_attention import (
+    TreeScanLayout,
     chunk_gated_delta_rule,
+    packed_scan_layout,
     tree_causal_conv1d,
     tree_gated_delta_rule,
     tree_scan_layout,
@@ -65,25 +71,13 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
 
 
-def _scan_layout_preparer(conv_kernel: int) -> TreeAttentionBackend:
-    """A cache key for :data:`~megatron_tree.attention.dispatch.PREPARED_MASKS` whose ``prepare`` builds the
-    micro-batch's scan layout (the tree attention's prepared masks and it share one per-micro-batch cache)."""
-
-    def refuse(*args, **kwargs):
-        raise TypeError("the Gated DeltaNet scan layout is not a tree attention backend")
-
-    def prepare(subtree_end: torch.Tensor):
-        return tree_scan_layout(subtree_end[0], conv_kernel=conv_kernel)
-
-    return TreeAttentionBackend(name=f"gdn-scan-k{conv_kernel}", prepare=prepare, attend=refuse, refusal=refuse)
-
-
 class TreeGatedDeltaNet(MegatronModule):
     """megatron-core's ``GatedDeltaNet`` (same constructor, parameters, forward contract and sharded state
     dict) whose forward follows the tree of a tree micro-batch (module docstring).
 
-    ``forward(hidden_states [s, b, h], attention_mask, ...) -> (out [s, b, h], bias)``; ``attention_mask``:
-    a tree micro-batch's interval vector int ``[1, s]`` (b = 1), or None / a boolean mask (each row causal).
+    ``forward(hidden_states [s, b, h], attention_mask, ..., packed_seq_params) -> (out [s, b, h], bias)``;
+    ``attention_mask``: a tree micro-batch's interval vector int ``[1, s]`` (b = 1), or None / a boolean mask (each
+    row causal, or with THD ``packed_seq_params`` (b = 1) each packed sequence alone).
     """
 
     def __init__(
@@ -185,11 +179,6 @@ class TreeGatedDeltaNet(MegatronModule):
         """``hidden_states [s, b, h]`` -> ``(out [s, b, h], out_proj bias)``; other arguments as megatron-core's."""
         if inference_context is not None or inference_params is not None:
             raise ValueError("TreeGatedDeltaNet has no KV-cache inference; call the model with inference_context=None")
-        if packed_seq_params is not None:
-            raise ValueError(
-                "TreeGatedDeltaNet does not take packed_seq_params: a tree micro-batch's layout is its attention_mask "
-                "(the interval vector); call the model with packed_seq_params=None"
-            )
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp] (sequence-parallel: gathered)
         s, b, _ = qkvzba.shape
         tp = self.tp_size
@@ -198,21 +187,9 @@ class TreeGatedDeltaNet(MegatronModule):
             [self.conv_dim_local_tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
             dim=-1,
         )  # [b, s, *]
-        tree = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype in (torch.int32, torch.int64)
+        layout = self._scan_layout(attention_mask, packed_seq_params, s, b)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if tree:
-            if chunk_link(attention_mask) is not None:
-                raise ValueError(
-                    "Gated DeltaNet layers do not carry their recurrent state and conv window across the chunks of a "
-                    "tree larger than a micro-batch yet; raise max_tokens_per_mb to the largest tree (--max-tokens-per-mb), "
-                    "or pack with chunk_trees=False (--no-chunk-trees) so prefix groups are split instead"
-                )
-            if b != 1 or tuple(attention_mask.shape) != (1, s):
-                raise ValueError(
-                    f"a tree attention_mask must be [1, s] = [1, {s}] with hidden states of batch 1, got mask "
-                    f"{tuple(attention_mask.shape)} and batch {b}"
-                )
-            layout = PREPARED_MASKS.get(_scan_layout_preparer(self.conv_kernel_dim), attention_mask)
+        if layout is not None:
             qkv = tree_causal_conv1d(qkv[0], weight, self.conv1d.bias, layout)[None]  # [1, s, C]
         else:
             qkv = F.conv1d(qkv.transpose(1, 2), weight[:, None, :], self.conv1d.bias, padding=self.conv_kernel_dim - 1,
@@ -230,13 +207,56 @@ class TreeGatedDeltaNet(MegatronModule):
             key = key.repeat_interleave(group, dim=2)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, Hv]
         beta = beta.sigmoid()
-        if tree:
+        if layout is not None:
             out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], layout)[None]
         else:
             out, _ = chunk_gated_delta_rule(query, key, value, g, beta)
         out = self._apply_gated_norm(out, gate.reshape(b, s, -1, self.value_head_dim))  # [b, s, Hv, dv]
         out = out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, v_dim / tp]
         return self.out_proj(out)
+
+    def _scan_layout(self, attention_mask, packed_seq_params, s: int, b: int) -> TreeScanLayout | None:
+        """The micro-batch's scan layout (built once, cached on the mask's or ``cu_seqlens``' memory for every layer
+        and recompute): of the tree (an int interval vector ``[1, s]``), of the packed sequences (THD
+        ``packed_seq_params``: each sequence a chain of its own), or None (no mask or a boolean one: rows causal)."""
+        tree = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype in (torch.int32, torch.int64)
+        if tree and packed_seq_params is not None:
+            raise ValueError("TreeGatedDeltaNet got a tree attention_mask and packed_seq_params: a tree micro-batch's "
+                             "layout is its attention_mask; pass packed_seq_params=None (or no tree mask for THD)")
+        if tree:
+            if chunk_link(attention_mask) is not None:
+                raise ValueError(
+                    "Gated DeltaNet layers do not carry their recurrent state and conv window across the chunks of a "
+                    "tree larger than a micro-batch yet; raise max_tokens_per_mb to the largest tree (--max-tokens-per-mb), "
+                    "or pack with chunk_trees=False (--no-chunk-trees) so prefix groups are split instead"
+                )
+            if b != 1 or tuple(attention_mask.shape) != (1, s):
+                raise ValueError(
+                    f"a tree attention_mask must be [1, s] = [1, {s}] with hidden states of batch 1, got mask "
+                    f"{tuple(attention_mask.shape)} and batch {b}"
+                )
+            k = self.conv_kernel_dim
+            return PREPARED_MASKS.lookup(attention_mask, ("gdn-tree", k),
+                                         lambda: tree_scan_layout(attention_mask[0], conv_kernel=k))
+        if packed_seq_params is None:
+            return None
+        params = packed_seq_params
+        cu = params.cu_seqlens_q
+        if params.qkv_format != "thd" or cu is None or b != 1:
+            raise ValueError(f"TreeGatedDeltaNet takes packed_seq_params in THD format (qkv_format='thd', "
+                             f"cu_seqlens_q set, hidden states of batch 1), got qkv_format={params.qkv_format!r}, "
+                             f"cu_seqlens_q {'missing' if cu is None else 'set'}, batch {b}")
+        for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            other = getattr(params, name)
+            if other is not None and other is not cu:
+                raise ValueError(f"TreeGatedDeltaNet reads one set of offsets, cu_seqlens_q; packed_seq_params."
+                                 f"{name} must be None or the same tensor (padded THD segments are not supported)")
+        k = self.conv_kernel_dim
+        layout = PREPARED_MASKS.lookup(cu, ("gdn-thd", k), lambda: packed_scan_layout(cu, conv_kernel=k))
+        if layout.num_slots != s:
+            raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {layout.num_slots}, but the packed row holds "
+                             f"s = {s} slots: the offsets must cover the row exactly")
+        return layout
 
     def _apply_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``out_norm(x) * silu(gate)`` per value head (``x``, ``gate`` ``[..., dv]``), in ``x``'s dtype."""
