@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -36,7 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tree.attention.dispatch import PREPARED_MASKS
+from megatron_tree.attention.dispatch import PREPARED_MASKS, TreeAttentionBackend
 from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.linear_attention import (
     TreeScanLayout,
@@ -69,6 +70,19 @@ def check_gated_delta_net_config(config: TransformerConfig) -> None:
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
+
+
+def _scan_layout_preparer(conv_kernel: int) -> TreeAttentionBackend:
+    """A cache key for :data:`~megatron_tree.attention.dispatch.PREPARED_MASKS` whose ``prepare`` builds the
+    micro-batch's scan layout (the tree attention's prepared masks and it share one per-micro-batch cache)."""
+
+    def refuse(*args, **kwargs):
+        raise TypeError("the Gated DeltaNet scan layout is not a tree attention backend")
+
+    def prepare(subtree_end: torch.Tensor):
+        return tree_scan_layout(subtree_end[0], conv_kernel=conv_kernel)
+
+    return TreeAttentionBackend(name=f"gdn-scan-k{conv_kernel}", prepare=prepare, attend=refuse, refusal=refuse)
 
 
 class TreeGatedDeltaNet(MegatronModule):
@@ -187,10 +201,25 @@ class TreeGatedDeltaNet(MegatronModule):
             [self.conv_dim_local_tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
             dim=-1,
         )  # [b, s, *]
-        layout = self._scan_layout(attention_mask, packed_seq_params, s, b)
+        tree = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype in (torch.int32, torch.int64)
+        packed = None if packed_seq_params is None else self._packed_layout(packed_seq_params, tree, s, b)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if layout is not None:
+        if tree:
+            if chunk_link(attention_mask) is not None:
+                raise ValueError(
+                    "Gated DeltaNet layers do not carry their recurrent state and conv window across the chunks of a "
+                    "tree larger than a micro-batch yet; raise max_tokens_per_mb to the largest tree (--max-tokens-per-mb), "
+                    "or pack with chunk_trees=False (--no-chunk-trees) so prefix groups are split instead"
+                )
+            if b != 1 or tuple(attention_mask.shape) != (1, s):
+                raise ValueError(
+                    f"a tree attention_mask must be [1, s] = [1, {s}] with hidden states of batch 1, got mask "
+                    f"{tuple(attention_mask.shape)} and batch {b}"
+                )
+            layout = PREPARED_MASKS.get(_scan_layout_preparer(self.conv_kernel_dim), attention_mask)
             qkv = tree_causal_conv1d(qkv[0], weight, self.conv1d.bias, layout)[None]  # [1, s, C]
+        elif packed is not None:
+            qkv = tree_causal_conv1d(qkv[0], weight, self.conv1d.bias, packed)[None]
         else:
             qkv = F.conv1d(qkv.transpose(1, 2), weight[:, None, :], self.conv1d.bias, padding=self.conv_kernel_dim - 1,
                            groups=self.conv_dim_local_tp)[..., :s].transpose(1, 2)  # [b, s, C]
@@ -207,40 +236,22 @@ class TreeGatedDeltaNet(MegatronModule):
             key = key.repeat_interleave(group, dim=2)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, Hv]
         beta = beta.sigmoid()
-        if layout is not None:
+        if tree:
             out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], layout)[None]
+        elif packed is not None:
+            out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], packed)[None]
         else:
             out, _ = chunk_gated_delta_rule(query, key, value, g, beta)
         out = self._apply_gated_norm(out, gate.reshape(b, s, -1, self.value_head_dim))  # [b, s, Hv, dv]
         out = out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, v_dim / tp]
         return self.out_proj(out)
 
-    def _scan_layout(self, attention_mask, packed_seq_params, s: int, b: int) -> TreeScanLayout | None:
-        """The micro-batch's scan layout (built once, cached on the mask's or ``cu_seqlens``' memory for every layer
-        and recompute): of the tree (an int interval vector ``[1, s]``), of the packed sequences (THD
-        ``packed_seq_params``: each sequence a chain of its own), or None (no mask or a boolean one: rows causal)."""
-        tree = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype in (torch.int32, torch.int64)
-        if tree and packed_seq_params is not None:
+    def _packed_layout(self, params: PackedSeqParams, tree: bool, s: int, b: int) -> TreeScanLayout:
+        """The scan layout of THD ``params`` (each packed sequence a chain of its own), built once per micro-batch and
+        cached on ``cu_seqlens_q``'s memory for every layer and recompute."""
+        if tree:
             raise ValueError("TreeGatedDeltaNet got a tree attention_mask and packed_seq_params: a tree micro-batch's "
                              "layout is its attention_mask; pass packed_seq_params=None (or no tree mask for THD)")
-        if tree:
-            if chunk_link(attention_mask) is not None:
-                raise ValueError(
-                    "Gated DeltaNet layers do not carry their recurrent state and conv window across the chunks of a "
-                    "tree larger than a micro-batch yet; raise max_tokens_per_mb to the largest tree (--max-tokens-per-mb), "
-                    "or pack with chunk_trees=False (--no-chunk-trees) so prefix groups are split instead"
-                )
-            if b != 1 or tuple(attention_mask.shape) != (1, s):
-                raise ValueError(
-                    f"a tree attention_mask must be [1, s] = [1, {s}] with hidden states of batch 1, got mask "
-                    f"{tuple(attention_mask.shape)} and batch {b}"
-                )
-            k = self.conv_kernel_dim
-            return PREPARED_MASKS.lookup(attention_mask, ("gdn-tree", k),
-                                         lambda: tree_scan_layout(attention_mask[0], conv_kernel=k))
-        if packed_seq_params is None:
-            return None
-        params = packed_seq_params
         cu = params.cu_seqlens_q
         if params.qkv_format != "thd" or cu is None or b != 1:
             raise ValueError(f"TreeGatedDeltaNet takes packed_seq_params in THD format (qkv_format='thd', "
