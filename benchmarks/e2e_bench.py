@@ -2,6 +2,8 @@
 
     python benchmarks/e2e_bench.py --model qwen3-0.6b --out benchmarks/results/e2e_qwen3-0.6b.json
     python benchmarks/e2e_bench.py --model tiny --scale 0.02 --max-tokens-per-mb 256 --out /tmp/e2e.json  # CPU smoke
+    python benchmarks/e2e_bench.py --model qwen3.5-hybrid-2b --workloads grpo,multi_turn --recompute full \
+        --out benchmarks/results/e2e_qwen3.5-hybrid-2b.json   # Gated DeltaNet : full attention 3:1
     python benchmarks/e2e_bench.py --model qwen3-1.7b --max-tokens-per-mb 8192 --chunk-trees --recompute full \
         --flat-max-tokens-per-mb 65536 --out benchmarks/results/e2e_chunks_8k.json   # trees larger than a micro-batch
 
@@ -9,14 +11,16 @@ Flat = every sequence its own causal chain, packed several to a micro-batch up t
 ``max_tokens_per_mb``. With Transformer Engine that is Megatron's sequence packing: the upstream
 model, each sequence a THD segment through TE's cuDNN fused attention
 (``flat_forward_backward``; baseline ``te_thd_cudnn`` in the JSON). Without TE, flat
-micro-batches run through the tree model's own kernel (``tree_kernel_chains``). Tree = prefix
+micro-batches run through the tree model's own kernel (``tree_kernel_chains``). Gated DeltaNet layers
+(Qwen3.5 / Qwen3-Next shapes) run the same kernels in both modes: per tree level, or per packed
+sequence (THD); fla is off (not trusted on Hopper), so both use the exact PyTorch chunked rule. Tree = prefix
 trees. Both run Megatron's ``forward_backward_func`` + optimizer step on the same bf16 model
 shape, initialised alike. Reported per workload: median step time and its spread over the
 timed steps (and the optimizer's share), tokens/s of original tokens, model TFLOP/s (each mode's
 own FLOPs / its step time), peak
 memory, the largest micro-batch, token ratio, the FLOP-ideal
-speedup (FLOPs flat / FLOPs tree, linear layers by tokens and attention by computed
-(query, key) pairs, on the single global trie), the same ratio for the trees as packed
+speedup (FLOPs flat / FLOPs tree, linear and Gated DeltaNet layers by tokens and full attention by
+computed (query, key) pairs, on the single global trie: :func:`flops_per_token_and_pair`), the same ratio for the trees as packed
 (shared prefixes of a tree split over micro-batches count once per part), and the achieved
 fraction of the former; with
 ``--profile`` (default) also one profiled step per mode (``step_profile.py``: kernel time
@@ -58,6 +62,20 @@ MODELS = {
     "qwen3-moe-2b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                        moe_intermediate_size=768, num_hidden_layers=12, num_attention_heads=16,
                                        num_key_value_heads=4, head_dim=128, num_experts=16, num_experts_per_tok=4)),
+    # Hybrid Gated DeltaNet : full attention 3:1 (every 4th layer full attention, with an output gate).
+    "tiny-qwen3.5": ("qwen3_5", {}),  # the tiny Qwen3.5 test model: CPU smoke runs of GDN models
+    "qwen3.5-hybrid-2b": ("qwen3_5", dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144,
+                                          num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                                          head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                                          linear_key_head_dim=128, linear_value_head_dim=128,
+                                          tie_word_embeddings=True)),  # ~1.9B, Qwen3.5-2B's shape
+    "qwen3-next-hybrid-moe-3b": ("qwen3_next", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=24,
+                                                    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                                    linear_num_key_heads=16, linear_num_value_heads=32,
+                                                    linear_key_head_dim=128, linear_value_head_dim=128,
+                                                    num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
+                                                    shared_expert_intermediate_size=512, mlp_only_layers=[])),
+    # ~3.2B (0.9B active), Qwen3-Next's layers at 1/2 its depth and 1/16 its experts
 }
 
 
@@ -81,18 +99,43 @@ def workloads(name: str, rng: np.random.Generator, vocab: int, scale: float = 1.
     raise ValueError(f"unknown workload {name!r}; choose grpo, multi_turn, no_sharing, long_multi_turn")
 
 
+GATED_ATTENTION = ("qwen3_5_text", "qwen3_next")
+"""HF model types whose full-attention ``q_proj`` also computes a per-head output gate (twice the query width)."""
+
+
 def flops_per_token_and_pair(cfg) -> tuple[float, float]:
-    """fwd+bwd FLOPs (3x forward) of one token through the linear layers, and of one (q, k) pair."""
-    h, layers, v = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    """fwd+bwd FLOPs (3x forward) of one token through everything that grows with tokens (the linear layers, the Gated
+    DeltaNet layers, the output layer), and of one (q, k) pair through the full-attention layers (QK^T and PV).
+
+    A Gated DeltaNet layer per token: ``in_proj`` (q, k, v, output gate, beta, decay), its causal conv, the delta
+    rule as a recurrence (reading the state with k and with q, the rank-one write: 3 x Hv dk dv multiply-adds) and
+    ``out_proj``. Layers are full attention unless ``layer_types`` says ``linear_attention``; MoE layers count
+    their top-k experts, the shared expert and the router (``mlp_only_layers`` are dense)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    linear = sum(t == "linear_attention" for t in types)
+    full = len(types) - linear
     d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    attn_proj = h * nq * d + 2 * h * nkv * d + nq * d * h
+    gate = 2 if cfg.model_type in GATED_ATTENTION else 1
+    attn_proj = h * gate * nq * d + 2 * h * nkv * d + nq * d * h
+    gdn = 0
+    if linear:
+        qk, hv, dv = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        vd = hv * dv
+        gdn = (h * (2 * qk + 2 * vd + 2 * hv) + cfg.linear_conv_kernel_dim * (2 * qk + vd)
+               + 3 * hv * cfg.linear_key_head_dim * dv + vd * h)
+    dense = 3 * h * cfg.intermediate_size if getattr(cfg, "intermediate_size", None) else 0
     if getattr(cfg, "num_experts", None):
-        mlp = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+        moe = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts
+        moe += (3 * h * shared + h) if shared else 0  # the shared expert and its sigmoid gate
+        n_dense = len(getattr(cfg, "mlp_only_layers", None) or [])
+        mlp = (len(types) - n_dense) * moe + n_dense * dense
     else:
-        mlp = 3 * h * cfg.intermediate_size
-    per_token = 3 * 2 * (layers * (attn_proj + mlp) + h * v)
-    per_pair = 3 * 2 * 2 * nq * d * layers  # QK^T and PV
+        mlp = len(types) * dense
+    per_token = 3 * 2 * (full * attn_proj + linear * gdn + mlp + h * v)
+    per_pair = 3 * 2 * 2 * nq * d * full
     return float(per_token), float(per_pair)
 
 
@@ -214,9 +257,9 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    if not cuda and args.model != "tiny":
-        raise SystemExit("e2e_bench measures bf16 kernels on a CUDA GPU; without one only --model tiny "
-                         "(a fp32 smoke run of the harness) is allowed")
+    if not cuda and not args.model.startswith("tiny"):
+        raise SystemExit("e2e_bench measures bf16 kernels on a CUDA GPU; without one only --model tiny or tiny-qwen3.5 "
+                         "(fp32 smoke runs of the harness) is allowed")
     from megatron_tree.core.platform import have_transformer_engine
     from megatron_tree.compat import apply_compat_patches
     from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward

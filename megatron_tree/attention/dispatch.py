@@ -254,8 +254,8 @@ def check_subtree_end_values(subtree_end: torch.Tensor) -> None:
 class _PreparedMaskCache:
     """What each backend prepared for the last few masks, keyed on the mask's memory.
 
-    Keys are (backend, window, context parallel, device, data_ptr, shape, stride, version counter). The entry holds the
-    mask tensor itself, so its memory cannot be reused by another tensor while the entry lives;
+    Keys are (backend, window, context parallel, device, data_ptr, shape, stride, version counter) (:meth:`lookup`:
+    a caller's tag in place of the first three). The entry holds the mask tensor itself, so its memory cannot be reused by another tensor while the entry lives;
     ``detach()`` (done by activation recompute) shares memory and version counter, so a
     recomputed layer finds the entry its forward made. In-place edits bump the version and miss
     (edits through ``.data`` bypass the version counter: do not edit a mask in flight that way).
@@ -274,30 +274,36 @@ class _PreparedMaskCache:
         ``cp = (rank, size)`` (context parallel): ``subtree_end`` is the CP mask ``[1, 2T]``
         (module docstring); returns ``(prepared for the rank's queries, inverse [T] int64: the
         rank-order position of each global slot)``."""
+        extra = {} if window is None else {"window": window}
+
+        def prepare() -> Any:
+            if cp is not None:
+                return _prepare_context_parallel(backend, subtree_end, *cp, **extra)
+            check_subtree_end_values(subtree_end)
+            if context:
+                extra["query_slots"] = torch.arange(context, subtree_end.shape[-1], device=subtree_end.device)
+            return backend.prepare(subtree_end, **extra)
+
+        return self.lookup(subtree_end, (backend.name, window, cp, context), prepare)
+
+    def lookup(self, tensor: torch.Tensor, tag: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, computed on the first call for ``tensor``'s memory and ``tag`` and cached like :meth:`get`'s
+        entries: what a layer prepares once per micro-batch from a tensor every layer receives (a recurrent
+        layer's scan layout from the interval vector, or from a packed row's ``cu_seqlens``)."""
         key = (
-            backend.name,
-            window,
-            cp,
-            context,
-            str(subtree_end.device),
-            subtree_end.data_ptr(),
-            tuple(subtree_end.shape),
-            subtree_end.stride(),
-            None if subtree_end.is_inference() else subtree_end._version,
+            tag,
+            str(tensor.device),
+            tensor.data_ptr(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            None if tensor.is_inference() else tensor._version,
         )
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
             return hit[1]
-        extra = {} if window is None else {"window": window}
-        if cp is None:
-            check_subtree_end_values(subtree_end)
-            if context:
-                extra["query_slots"] = torch.arange(context, subtree_end.shape[-1], device=subtree_end.device)
-            prepared = backend.prepare(subtree_end, **extra)
-        else:
-            prepared = _prepare_context_parallel(backend, subtree_end, *cp, **extra)
-        self._entries[key] = (subtree_end, prepared)
+        prepared = make()
+        self._entries[key] = (tensor, prepared)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return prepared

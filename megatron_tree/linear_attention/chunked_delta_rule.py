@@ -16,7 +16,8 @@ so ``U = U0 - W S0`` where ``U0``, ``W`` need no state; then
 ``O = scale (exp(G) Q S0 + (QK^T * exp(G_r - G_s), s <= r) U)`` and
 ``S_end = exp(G_last) S0 + (exp(G_last - G) K)^T U``. Everything but ``U`` and ``S_end`` runs for all
 chunks at once; a Python loop over the chunk index j carries the states (``U`` and ``S_end`` of the
-n_j sequences with a chunk j, one batched matmul each).
+n_j sequences with a chunk j, one batched matmul each). One-token sequences (a tree micro-batch's padding slots,
+one-token segments) take the closed form of one step instead of a 64-row chunk each.
 
 flash-linear-attention's Triton kernels (``fla.ops.gated_delta_rule``) run only for the input dtypes of
 :data:`FLA_DTYPES`, on CUDA, where fla imports: none yet, as no GPU test has compared them. On the H200 host
@@ -101,8 +102,9 @@ def unchecked_chunk_gated_delta_rule(
                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     b, t, h, _ = q.shape
     flat = [x.reshape((b * t, h) + x.shape[3:]).float() for x in (q, k, v, g, beta)]
-    o, final = _chunked_torch(*flat, scale=scale, initial_state=initial_state, lengths=lengths)
-    return o.reshape(v.shape).to(q.dtype), final if output_final_state else None
+    o, final = _torch_path(*flat, scale=scale, initial_state=initial_state, lengths=lengths,
+                           output_final_state=output_final_state)
+    return o.reshape(v.shape).to(q.dtype), final
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,57 @@ def _plan(lengths: tuple[int, ...], device: torch.device) -> _ChunkPlan:
 
     return _ChunkPlan(token=dev(np.where(inside, pos, total)), row=dev(row), by_rank=dev(by_rank), rank=dev(rank),
                       steps=np.bincount(index).tolist())
+
+
+def _torch_path(q, k, v, g, beta, *, scale, initial_state, lengths, output_final_state):
+    """fp32 ``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences -> (o [T, H, Vd],
+    final states [N, H, Kd, Vd] or None). One-token sequences (a tree's padding slots, single-token segments) in
+    closed form, the others chunked: a chunk of 64 rows per one-token sequence would multiply their work by 64."""
+    lens = np.asarray(lengths, np.int64)
+    single = lens == 1
+    if not single.any():
+        o, final = _chunked_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state, lengths=lengths)
+        return o, final if output_final_state else None
+    device = q.device
+    one = torch.from_numpy((np.cumsum(lens) - 1)[single]).to(device)  # the token of each one-token sequence
+    rest = torch.from_numpy(np.flatnonzero(np.repeat(~single, lens))).to(device)
+    by_kind = [torch.from_numpy(np.flatnonzero(single)).to(device), torch.from_numpy(np.flatnonzero(~single)).to(device)]
+    s0 = [None, None] if initial_state is None else [initial_state.float()[i] for i in by_kind]
+    o1, f1 = _one_token(q[one], k[one], v[one], g[one], beta[one], scale=scale, initial_state=s0[0],
+                        output_final_state=output_final_state)
+    if rest.numel():
+        o2, f2 = _chunked_torch(q[rest], k[rest], v[rest], g[rest], beta[rest], scale=scale, initial_state=s0[1],
+                                lengths=tuple(lens[~single].tolist()))
+    else:
+        o2, f2 = o1[:0], (f1[:0] if output_final_state else None)
+    o = torch.cat([o1, o2])[_inverse(torch.cat([one, rest]))]
+    final = torch.cat([f1, f2])[_inverse(torch.cat(by_kind))] if output_final_state else None
+    return o, final
+
+
+def _one_token(q, k, v, g, beta, *, scale, initial_state, output_final_state):
+    """The rule on n one-token sequences (``q``, ``k`` [n, H, Kd], ``v`` [n, H, Vd], ``g``, ``beta`` [n, H], state
+    ``initial_state`` [n, H, Kd, Vd] or zero): ``u = beta (v - exp(g) S0^T k)``, ``o = scale (exp(g) S0^T q +
+    (k.q) u)``, final ``exp(g) S0 + k u^T`` (if asked for)."""
+    decay = g.exp()[..., None]
+    if initial_state is None:
+        u = beta[..., None] * v
+        # g acts on the zero state only: a zero gradient, kept in the graph as the chunked path keeps it
+        o = scale * (k * q).sum(-1, keepdim=True) * u + 0.0 * decay
+    else:
+        u = beta[..., None] * (v - decay * torch.einsum("nhkv,nhk->nhv", initial_state, k))
+        o = scale * (decay * torch.einsum("nhkv,nhk->nhv", initial_state, q) + (k * q).sum(-1, keepdim=True) * u)
+    if not output_final_state:
+        return o, None
+    final = k[..., :, None] * u[..., None, :]
+    return o, final if initial_state is None else final + decay[..., None] * initial_state
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of ``order`` (int64 [n])."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=order.device)
+    return inverse
 
 
 def _chunked_torch(q, k, v, g, beta, *, scale, initial_state, lengths):

@@ -34,7 +34,7 @@ import torch
 from megatron_tree.core.masks import tree_depths, window_starts
 from megatron_tree.core.tree import concat_ranges
 
-__all__ = ["TreeScanLayout", "tree_scan_layout"]
+__all__ = ["TreeScanLayout", "packed_scan_layout", "tree_scan_layout"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -181,6 +181,28 @@ def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int) -> TreeScan
         segment_level=segment_level,
         level_lengths=tuple(level_lengths),
     )
+
+
+def packed_scan_layout(cu_seqlens: torch.Tensor, *, conv_kernel: int) -> TreeScanLayout:
+    """The :class:`TreeScanLayout` of independent sequences packed in one row (THD, FlashAttention's varlen
+    layout): sequence n holds slots ``[cu_seqlens[n], cu_seqlens[n+1])``, a chain of its own, so its conv window
+    and its state start at its first slot. One level, one segment per non-empty sequence.
+
+    ``cu_seqlens`` int [N+1], rising from 0 to T; ``conv_kernel`` as :func:`tree_scan_layout`. Tensors on
+    ``cu_seqlens``' device (one copy to the host). Raises ``ValueError`` for offsets that do not rise from 0.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool \
+            or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be an int tensor [N+1] with N >= 1 (offsets of the packed sequences), got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} of shape "
+                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    cu = cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    lens = np.diff(cu)
+    if cu[0] != 0 or cu[-1] < 1 or (lens < 0).any():
+        raise ValueError(f"cu_seqlens must rise from 0 to T >= 1 (offsets of the packed sequences), got "
+                         f"{cu[:8].tolist()}{'...' if cu.shape[0] > 8 else ''} ending at {int(cu[-1])}")
+    end = torch.from_numpy(np.repeat(cu[1:], lens)).to(cu_seqlens.device)  # each slot's subtree: its sequence's rest
+    return tree_scan_layout(end, conv_kernel=conv_kernel)
 
 
 def _parents(end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

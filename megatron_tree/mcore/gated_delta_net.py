@@ -9,9 +9,13 @@ heads per TP rank, dk / dv = their head dims, K = conv kernel width.
 (int ``[1, s]``), each slot's causal conv window and its recurrent state come from its root path
 (:func:`megatron_tree.linear_attention.tree_causal_conv1d` / ``tree_gated_delta_rule``), not from the slots
 laid out before it; the scan layout is built once per micro-batch and cached on the mask's memory (shared by
-the layers and by activation recompute, as the tree attention's prepared mask is). Given no mask (or a boolean
-one, which megatron-core's layer ignores too) each row is one causal sequence (``chunk_gated_delta_rule``):
-the flat reference. Computes on CPU without flash-linear-attention (the ops pick their kernels).
+the layers and by activation recompute, as the tree attention's prepared mask is). Given THD
+``packed_seq_params`` (Megatron's sequence packing, the flat baseline: batch 1, sequence n in slots
+``[cu_seqlens_q[n], cu_seqlens_q[n+1])``) each sequence runs alone, its conv window and state starting at its first
+slot, on the same kernels as a tree (:func:`megatron_tree.linear_attention.packed_scan_layout`: each sequence a chain;
+cached on ``cu_seqlens_q``'s memory). Given no mask (or a boolean one, which megatron-core's layer ignores too) each
+row is one causal sequence (``chunk_gated_delta_rule``). Computes on CPU without flash-linear-attention (the ops pick
+their kernels).
 
 Per value head (GQA-like: key head ``i // (Hv / Hk)`` serves value head i)::
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -35,7 +40,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_tree.attention.dispatch import PREPARED_MASKS, TreeAttentionBackend
 from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.linear_attention import (
+    TreeScanLayout,
     chunk_gated_delta_rule,
+    packed_scan_layout,
     tree_causal_conv1d,
     tree_gated_delta_rule,
     tree_scan_layout,
@@ -82,8 +89,9 @@ class TreeGatedDeltaNet(MegatronModule):
     """megatron-core's ``GatedDeltaNet`` (same constructor, parameters, forward contract and sharded state
     dict) whose forward follows the tree of a tree micro-batch (module docstring).
 
-    ``forward(hidden_states [s, b, h], attention_mask, ...) -> (out [s, b, h], bias)``; ``attention_mask``:
-    a tree micro-batch's interval vector int ``[1, s]`` (b = 1), or None / a boolean mask (each row causal).
+    ``forward(hidden_states [s, b, h], attention_mask, ..., packed_seq_params) -> (out [s, b, h], bias)``;
+    ``attention_mask``: a tree micro-batch's interval vector int ``[1, s]`` (b = 1), or None / a boolean mask (each
+    row causal, or with THD ``packed_seq_params`` (b = 1) each packed sequence alone).
     """
 
     def __init__(
@@ -185,11 +193,6 @@ class TreeGatedDeltaNet(MegatronModule):
         """``hidden_states [s, b, h]`` -> ``(out [s, b, h], out_proj bias)``; other arguments as megatron-core's."""
         if inference_context is not None or inference_params is not None:
             raise ValueError("TreeGatedDeltaNet has no KV-cache inference; call the model with inference_context=None")
-        if packed_seq_params is not None:
-            raise ValueError(
-                "TreeGatedDeltaNet does not take packed_seq_params: a tree micro-batch's layout is its attention_mask "
-                "(the interval vector); call the model with packed_seq_params=None"
-            )
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp] (sequence-parallel: gathered)
         s, b, _ = qkvzba.shape
         tp = self.tp_size
@@ -199,6 +202,7 @@ class TreeGatedDeltaNet(MegatronModule):
             dim=-1,
         )  # [b, s, *]
         tree = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype in (torch.int32, torch.int64)
+        packed = None if packed_seq_params is None else self._packed_layout(packed_seq_params, tree, s, b)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         if tree:
             if chunk_link(attention_mask) is not None:
@@ -214,6 +218,8 @@ class TreeGatedDeltaNet(MegatronModule):
                 )
             layout = PREPARED_MASKS.get(_scan_layout_preparer(self.conv_kernel_dim), attention_mask)
             qkv = tree_causal_conv1d(qkv[0], weight, self.conv1d.bias, layout)[None]  # [1, s, C]
+        elif packed is not None:
+            qkv = tree_causal_conv1d(qkv[0], weight, self.conv1d.bias, packed)[None]
         else:
             qkv = F.conv1d(qkv.transpose(1, 2), weight[:, None, :], self.conv1d.bias, padding=self.conv_kernel_dim - 1,
                            groups=self.conv_dim_local_tp)[..., :s].transpose(1, 2)  # [b, s, C]
@@ -232,11 +238,36 @@ class TreeGatedDeltaNet(MegatronModule):
         beta = beta.sigmoid()
         if tree:
             out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], layout)[None]
+        elif packed is not None:
+            out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], packed)[None]
         else:
             out, _ = chunk_gated_delta_rule(query, key, value, g, beta)
         out = self._apply_gated_norm(out, gate.reshape(b, s, -1, self.value_head_dim))  # [b, s, Hv, dv]
         out = out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, v_dim / tp]
         return self.out_proj(out)
+
+    def _packed_layout(self, params: PackedSeqParams, tree: bool, s: int, b: int) -> TreeScanLayout:
+        """The scan layout of THD ``params`` (each packed sequence a chain of its own), built once per micro-batch and
+        cached on ``cu_seqlens_q``'s memory for every layer and recompute."""
+        if tree:
+            raise ValueError("TreeGatedDeltaNet got a tree attention_mask and packed_seq_params: a tree micro-batch's "
+                             "layout is its attention_mask; pass packed_seq_params=None (or no tree mask for THD)")
+        cu = params.cu_seqlens_q
+        if params.qkv_format != "thd" or cu is None or b != 1:
+            raise ValueError(f"TreeGatedDeltaNet takes packed_seq_params in THD format (qkv_format='thd', "
+                             f"cu_seqlens_q set, hidden states of batch 1), got qkv_format={params.qkv_format!r}, "
+                             f"cu_seqlens_q {'missing' if cu is None else 'set'}, batch {b}")
+        for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            other = getattr(params, name)
+            if other is not None and other is not cu:
+                raise ValueError(f"TreeGatedDeltaNet reads one set of offsets, cu_seqlens_q; packed_seq_params."
+                                 f"{name} must be None or the same tensor (padded THD segments are not supported)")
+        k = self.conv_kernel_dim
+        layout = PREPARED_MASKS.lookup(cu, ("gdn-thd", k), lambda: packed_scan_layout(cu, conv_kernel=k))
+        if layout.num_slots != s:
+            raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {layout.num_slots}, but the packed row holds "
+                             f"s = {s} slots: the offsets must cover the row exactly")
+        return layout
 
     def _apply_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``out_norm(x) * silu(gate)`` per value head (``x``, ``gate`` ``[..., dv]``), in ``x``'s dtype."""

@@ -50,3 +50,42 @@ def test_e2e_bench_chunked_trees_compute_each_token_once(tmp_path):
     assert row["chunk_trees"] and row["tree"]["max_mb_slots"] <= 128  # 48 slots padded to a multiple of 128
     assert row["tree"]["computed_tokens"] == row["unique_tokens"] and row["tree"]["computed_pairs"] == row["tree_pairs"]
     assert row["packed_flop_ideal_speedup"] == pytest.approx(row["flop_ideal_speedup"])
+
+
+def test_e2e_bench_hybrid_gdn_model_cpu_smoke(tmp_path):
+    """A hybrid Gated DeltaNet model (tiny Qwen3.5) runs tree and flat steps; the FLOP ideal counts full attention by
+    (query, key) pairs in its one full-attention layer of four."""
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, "benchmarks/e2e_bench.py", "--model", "tiny-qwen3.5", "--scale", "0.01",
+           "--max-tokens-per-mb", "256", "--workloads", "grpo", "--warmup", "0", "--steps", "1", "--no-profile",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=cpu_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["token_ratio"] < 0.6 and row["flop_ideal_speedup"] > 1.5
+    assert row["flat"]["computed_tokens"] == row["original_tokens"] and row["tree"]["step_s"] > 0
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3.5"])
+def test_flops_per_token_count_every_matmul_weight_once(model, monkeypatch):
+    """``flops_per_token_and_pair`` against the Hugging Face model's own weights (dense models): per token 6 x the
+    weights of every linear layer (the gated q_proj included) plus each GDN layer's conv and recurrence
+    (3 Hv dk dv multiply-adds); per pair 12 x query heads x head dim per full-attention layer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tree.runtime import tiny_hf_config
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import e2e_bench
+
+    arch, overrides = e2e_bench.MODELS[model]
+    cfg = tiny_hf_config(arch, **overrides)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
+    gdn_layers = [m for m in hf.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    recurrence = sum(m.conv1d.weight.numel() + 3 * m.num_v_heads * m.head_k_dim * m.head_v_dim for m in gdn_layers)
+    full = cfg.num_hidden_layers - len(gdn_layers)
+    assert e2e_bench.flops_per_token_and_pair(cfg) == (6 * (linear + recurrence), 12 * full * cfg.num_attention_heads * cfg.head_dim)
+    assert (len(gdn_layers), full) == ((3, 1) if model == "tiny-qwen3.5" else (0, 2))

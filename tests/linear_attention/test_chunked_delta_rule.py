@@ -46,6 +46,28 @@ def test_batched_equals_the_per_token_loop(t):
     assert max(errors.values()) < 1e-5, errors
 
 
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "zero-state"])
+def test_one_token_sequences_beside_longer_ones(with_state):
+    """Lengths 1, 5, 1, 1, 70 (one-token sequences run in closed form, the others chunked) against the fp64
+    per-token loop: outputs, final states and every gradient."""
+    lens = [1, 5, 1, 1, 70]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    q, k, v, g, beta, h0 = inputs = _inputs(1, sum(lens), n_states=len(lens))
+    state = h0 if with_state else None
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu)
+    wo, wf = torch.randn_like(o), torch.randn_like(final)
+    grads = torch.autograd.grad((o * wo).sum() + (final * wf).sum(), inputs[:5] + ([h0] if with_state else []))
+    loss = 0.0
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ro, rf = gated_delta_rule_reference(*(x[0, a:b] for x in (q, k, v, g, beta)),
+                                            initial_state=h0[n] if with_state else None)
+        assert rel_err(o[0, a:b], ro) < 1e-5 and rel_err(final[n], rf) < 1e-5, n
+        loss = loss + (ro * wo[0, a:b]).sum() + (rf * wf[n]).sum()
+    ref_grads = torch.autograd.grad(loss, inputs[:5] + ([h0] if with_state else []))
+    for name, a, r in zip("q k v g beta h0".split(), grads, ref_grads):
+        assert rel_err(a, r) < 1e-5, name
+
+
 def test_matches_hugging_face_recurrent_and_chunked():
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     q, k, v, g, beta, h0 = (x.detach() for x in _inputs(2, 150, dk=16, dv=24))

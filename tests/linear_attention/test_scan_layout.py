@@ -13,7 +13,7 @@ import torch
 from forests import random_subtree_end
 from gdn_trees import ancestors_or_self, tree_cases
 
-from megatron_tree.linear_attention import TreeScanLayout, tree_scan_layout
+from megatron_tree.linear_attention import TreeScanLayout, packed_scan_layout, tree_scan_layout
 
 CASES = tree_cases() | {f"random-{s}": random_subtree_end(random.Random(s), 60, num_pad=s % 3, p_extend=0.7)
                         for s in range(10, 16)}
@@ -105,3 +105,15 @@ def test_bad_input_is_refused():
         tree_scan_layout(torch.zeros(2, 2, dtype=torch.int32), conv_kernel=4)
     with pytest.raises(ValueError, match="conv_kernel must be an int >= 1"):
         tree_scan_layout(torch.tensor([1]), conv_kernel=0)
+
+
+def test_packed_sequences_are_one_level_of_chains():
+    """``packed_scan_layout``: sequences 3, 0 (empty), 1, 4 tokens packed in one row, each a root chain."""
+    layout = packed_scan_layout(torch.tensor([0, 3, 3, 4, 8], dtype=torch.int32), conv_kernel=3)
+    assert layout.parent.tolist() == [-1, 0, 1, -1, -1, 4, 5, 6]
+    assert layout.conv_ancestors.T.tolist() == [[8, 8, 0, 8, 8, 8, 4, 5], [8, 0, 1, 8, 8, 4, 5, 6]]
+    assert layout.level_lengths == ((3, 1, 4),) and layout.num_slots == 8
+    with pytest.raises(ValueError, match="must rise from 0 to T >= 1"):
+        packed_scan_layout(torch.tensor([0, 5, 3]), conv_kernel=3)
+    with pytest.raises(ValueError, match=r"int tensor \[N\+1\]"):
+        packed_scan_layout(torch.tensor([0.0, 3.0]), conv_kernel=3)

@@ -178,7 +178,7 @@ def hf_logprobs(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
     with torch.no_grad(), hf_pytorch_linear_attention():
         for sid, seq in enumerate(seqs):
             ids = torch.tensor(seq)[None]
-            logp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+            logp = torch.log_softmax(hf(ids, use_cache=False).logits[0, :-1].float(), -1)
             out[sid] = logp.gather(-1, ids[0, 1:, None])[:, 0]
     return out
 

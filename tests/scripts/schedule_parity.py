@@ -10,7 +10,8 @@ micro-batch, same model, same sequences; loss and gradients must agree (relative
 Runs on CPU (gloo, fp32) and on GPUs (NCCL). With Transformer Engine (GPUs) it also runs the flat
 path Megatron users run (the upstream model, THD-packed micro-batches through cuDNN attention,
 ``flat_forward_backward``) and compares the tree step with it. ``--bf16`` reports each path's
-gradient error against the fp32 flat step and asserts the tree's is at most 2x the flat paths' worst.
+loss, gradient and log-prob errors against the fp32 flat step and asserts the tree's are at most 2x the flat paths'
+worst (``bf16_within_flat_error``).
 ``--cp 2`` runs both steps under context parallel (each micro-batch's slots split over 2 ranks);
 ``--dump FILE`` saves the tree step's loss and gradients (rank 0) so a test can compare runs of
 different parallel layouts. ``--chunk N`` packs the tree step with ``chunk_trees=True`` and N slots per
@@ -56,6 +57,41 @@ def branching_batch(vocab: int, rng: np.random.Generator) -> list[np.ndarray]:
 def loss_fn(logprobs, mb):
     loss, metrics = sft_loss(logprobs, mb.cu_targets, reduction="sum")
     return loss, metrics["normalizer"]
+
+
+def bf16_within_flat_error(rank, step, build, local, divisor, dp_group, runs) -> bool:
+    """FlashAttention's rule for one bf16 step: each path's loss, gradients and log-probs against the fp32 reference
+    (the flat step of an fp32 model, each sequence its own micro-batch); the tree's errors at most 2x the worst flat
+    path's (flat chains, the same reordered, packed several to a micro-batch, TE THD where it runs). Prints
+    ``BF16VSFP32 rank=R <metric> <path>=<error> ...`` per metric. ``runs``: name -> (model, micro-batches, loss,
+    gradients) of the steps already taken."""
+    from megatron_tree.mcore.forward_only import flat_forward_only, tree_forward_only
+
+    model, flat_mbs = runs["flat"][:2]
+    runs = dict(runs, flat_reordered=(model, flat_mbs[::-1], *step(flat_mbs[::-1])))
+    packed = pack_trees(local, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=divisor, n_mbs_divisor=divisor),
+                        dp_group=dp_group, share_prefixes=False)
+    runs["flat_packed"] = (model, packed, *step(packed))
+    ref_model = build(False)[1]
+    ref_loss, ref_grad = step(flat_mbs, model=ref_model)
+
+    def logprobs(name, model, mbs):
+        lps = (flat_forward_only if name == "te_thd_flat" else tree_forward_only)(model, mbs)
+        return torch.cat([lp.double() for lp in lps])
+
+    ref_lp = logprobs("flat", ref_model, flat_mbs)
+    errors = {"loss": {}, "grad": {}, "logprob": {}}
+    for name, (model, mbs, loss, grad) in runs.items():
+        errors["loss"][name] = abs(loss - ref_loss) / abs(ref_loss)
+        errors["grad"][name] = float((grad - ref_grad).abs().max() / ref_grad.abs().max())
+        errors["logprob"][name] = float((logprobs(name, model, mbs) - ref_lp).abs().max())
+    ok = True
+    for metric, by_path in errors.items():
+        worst_flat = max(v for k, v in by_path.items() if k != "tree")
+        ok = ok and by_path["tree"] <= 2 * worst_flat
+        print(f"BF16VSFP32 rank={rank} {metric} " + " ".join(f"{k}={v:.3e}" for k, v in by_path.items())
+              + f" tree/worst_flat={by_path['tree'] / max(worst_flat, 1e-30):.2f}", flush=True)
+    return ok
 
 
 def main():
@@ -162,31 +198,11 @@ def main():
             print(f"THD rank={rank} tree_vs_te_thd_flat loss_rel={thd_loss_rel:.3e} grad_rel={thd_grad_rel:.3e} "
                   f"thd_mbs={len(thd_mbs)}", flush=True)
         if args.bf16:
-            # The flat path's own bf16 noise: the same flat step with the micro-batches reversed,
-            # and with the sequences packed several to a micro-batch (chains, no sharing).
-            rev_loss, rev_grad = step(flat_mbs[::-1])
-            packed = pack_trees(local, MicroBatchSpec(max_tokens_per_mb=48, n_mbs=divisor, n_mbs_divisor=divisor),
-                                dp_group=dp_group if dp > 1 else None, share_prefixes=False)
-            pk_loss, pk_grad = step(packed)
-            scale = float(flat_grad.abs().max())
-            # FlashAttention's rule: each bf16 path against the fp32 reference (flat, fp32 model).
-            _, ref_grad = step(flat_mbs, model=build(False)[1])
-            ref_scale = float(ref_grad.abs().max())
-            errors = {name: float((g - ref_grad).abs().max()) / ref_scale
-                      for name, g in [("tree", tree_grad), ("flat", flat_grad), ("flat_packed", pk_grad)]
-                      + ([("te_thd_flat", thd_grad)] if thd else [])}
-            print(f"BF16VSFP32 rank={rank} " + " ".join(f"{k}_bf16 grad_rel={v:.3e}" for k, v in errors.items()),
-                  flush=True)
-            # The tree step is as close to fp32 as the flat paths are (k = 2 x the worst flat path).
-            bf16_ok = errors["tree"] <= 2 * max(v for k, v in errors.items() if k != "tree")
-            print(
-                f"BF16NOISE rank={rank} tree_vs_flat loss_rel={loss_rel:.3e} grad_rel={grad_rel:.3e} | "
-                f"flat_reordered loss_rel={abs(rev_loss - flat_loss) / abs(flat_loss):.3e} "
-                f"grad_rel={float((rev_grad - flat_grad).abs().max()) / scale:.3e} | "
-                f"flat_packed loss_rel={abs(pk_loss - flat_loss) / abs(flat_loss):.3e} "
-                f"grad_rel={float((pk_grad - flat_grad).abs().max()) / scale:.3e}",
-                flush=True,
-            )
+            bf16_ok = bf16_within_flat_error(rank, step, build, local, divisor, dp_group if dp > 1 else None, {
+                "tree": (model, tree_mbs, tree_loss, tree_grad),
+                "flat": (model, flat_mbs, flat_loss, flat_grad),
+                **({"te_thd_flat": (thd_model, thd_mbs, thd_loss, thd_grad)} if thd else {}),
+            })
         ok = bf16_ok if args.bf16 else (loss_rel < args.tol and grad_rel < args.tol and float(flat_grad.abs().max()) > 0)
         ok = ok and (args.cp == 1 or args.ep > 1 or cp_same)
         if thd and not args.bf16:
