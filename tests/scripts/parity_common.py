@@ -98,7 +98,8 @@ def _device(model) -> torch.device:
 
 def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
     """Log-probs of every sequence held by the tree micro-batches ``mbs`` (on the model's device); MoE models get
-    the tree's ``padding_mask`` (router statistics weighted by sharing), as ``tree_forward_step`` passes it."""
+    the tree's ``padding_mask`` (router statistics weighted by sharing), as ``tree_forward_step`` passes it, and
+    vision-language micro-batches their images (``mb.model_inputs()``)."""
     from megatron_tree.mcore.router_stats import tree_padding_mask
 
     out = {}
@@ -106,7 +107,7 @@ def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
     for mb in mbs:
         mb = mb.to(_device(model))
         extra = {"padding_mask": tree_padding_mask(mb)} if moe else {}
-        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask, **extra)
+        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask, **extra, **mb.model_inputs())
         lp = gather_tree_logprobs(logits, mb, tp_group=_tp_group())
         for k, sid in enumerate(mb.sequence_ids):
             out[sid] = lp[mb.cu_targets[k] : mb.cu_targets[k + 1]]

@@ -1,0 +1,154 @@
+"""Qwen2.5-VL (``qwen2_5_vl``) built by our mbridge bridge, image prompts tree-packed, against Hugging Face (CPU, fp32).
+
+The tiny model (``save_tiny_hf_checkpoint("qwen2_5_vl")``): Qwen2 layers with mRoPE sections (2, 3, 3), a two-block
+vision tower (windowed, then full) merging 2 x 2 patches. The forest: GRPO-like samples of image prompts, short
+branches laid out before long ones; two different images of one grid (the same placeholder ids) under the same text;
+an image under two different text prefixes; a prompt with text before its image and a wide image; a sequence with two
+images. Tree log-probs vs HF per sequence, gradients (vision tower included) vs each sequence alone, and what the
+check catches (depths instead of (t, h, w) positions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from scripts.parity_common import (
+    VOCAB,
+    build_model,
+    hf_model,
+    max_diff,
+    param_grads,
+    relative_grad_error,
+    tree_logprobs,
+    weighted_sum,
+)
+
+from megatron_tree import ImageInput, MicroBatchSpec, build_tree_model, pack_vision_trees
+from megatron_tree.mcore.vision_language import VisionLanguageModel
+from megatron_tree.runtime import QWEN2_5_VL_TOKENS, save_tiny_hf_checkpoint
+
+TOL = 1e-5
+IMG, START, END = (QWEN2_5_VL_TOKENS[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
+PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch²
+
+
+def _image(gen: torch.Generator, grid: tuple[int, int, int]) -> ImageInput:
+    return ImageInput(torch.randn(grid[0] * grid[1] * grid[2], PATCH, generator=gen), grid)
+
+
+def vision_forest(seed: int = 0) -> tuple[list[list[int]], list[list[ImageInput]]]:
+    """Sequences and their images (module docstring); text tokens 1..3 sort before the random ones (>= 10)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, IMG, (n,), generator=gen).tolist()
+
+    def block(img: ImageInput) -> list[int]:
+        return [START] + [IMG] * img.num_tokens(2) + [END]
+
+    a, b, wide = _image(gen, (1, 4, 4)), _image(gen, (1, 4, 4)), _image(gen, (1, 4, 8))
+    text = rand(4)
+    seqs, images = [], []
+    for img in (a, b):  # same grid, same placeholder ids, different pixels
+        prompt = block(img) + text
+        long_c = prompt + [3] + rand(7)
+        seqs += [prompt + [1] + rand(2), prompt + [2] + rand(9), long_c, list(long_c)]
+        images += [[img]] * 4
+    prompt = rand(3) + block(a) + rand(2)  # image a again, under another prefix
+    seqs += [prompt + [1] + rand(3), prompt + [2] + rand(6)]
+    images += [[a]] * 2
+    prompt = rand(2) + block(wide) + rand(3)
+    seqs += [prompt + [1], prompt + [2] + rand(8), prompt + block(a) + rand(4)]
+    images += [[wide], [wide], [wide, a]]
+    return seqs, images
+
+
+def vision_micro_batches(seqs, images, max_tokens: int = 64):
+    return pack_vision_trees(seqs, images, MicroBatchSpec(max_tokens_per_mb=max_tokens), image_token_id=IMG)
+
+
+def hf_vision_logprobs(path, seqs, images) -> dict[int, torch.Tensor]:
+    """Each sequence alone through Hugging Face's ``Qwen2_5_VLForConditionalGeneration`` (fp32)."""
+    hf = hf_model(path, dtype=torch.float32)
+    out = {}
+    with torch.no_grad():
+        for sid, (seq, imgs) in enumerate(zip(seqs, images)):
+            ids = torch.tensor(seq)[None]
+            kwargs = dict(pixel_values=torch.cat([i.pixel_values for i in imgs]),
+                          image_grid_thw=torch.tensor([i.grid_thw for i in imgs])) if imgs else {}
+            logits = hf(ids, mm_token_type_ids=(ids == IMG).int(), **kwargs).logits[0, :-1]
+            out[sid] = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, cpu_megatron):
+    return save_tiny_hf_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def forest():
+    seqs, images = vision_forest()
+    return seqs, images, vision_micro_batches(seqs, images)
+
+
+def test_packing_shares_equal_images_only(forest):
+    seqs, images, mbs = forest
+    assert max(s for s in seqs for s in s) < VOCAB
+    held = sum(mb.num_tokens for mb in mbs)
+    assert held < sum(map(len, seqs))
+    for mb in mbs:  # every image slot holds the placeholder; each unique image once per micro-batch
+        assert (mb.input_ids[0, mb.image_slots] == IMG).all()
+        assert int((mb.input_ids[0, : mb.num_tokens] == IMG).sum()) == mb.image_slots.numel()
+        assert mb.image_grid_thw.shape[0] == len({img.key() for i in mb.sequence_ids for img in images[i]})
+
+
+def test_bridge_builds_vision_language_model_and_exports_hf_weights(checkpoint):
+    bridge, chunks = build_tree_model(checkpoint, wrap_with_ddp=False)
+    model = chunks[0]
+    assert isinstance(model, VisionLanguageModel) and model.position_embedding_type == "mrope"
+    assert model.config.mrope_section == [2, 3, 3]
+    hf = load_file(Path(checkpoint) / "model.safetensors")
+    exported = dict(bridge.export_weights(chunks))
+    assert exported.keys() == hf.keys()
+    assert all(torch.equal(exported[k], hf[k]) for k in hf)
+
+
+def test_tree_logprobs_match_hf_and_depths_do_not(checkpoint, forest):
+    seqs, images, mbs = forest
+    want = hf_vision_logprobs(checkpoint, seqs, images)
+    model = build_model(checkpoint, tree=True)[0].eval()
+    with torch.no_grad():
+        tree_err = max_diff(tree_logprobs(model, mbs), want)
+        depth_mbs = [mb.__class__(**{**vars(mb), "mrope_position_ids": mb.position_ids.expand(3, 1, -1)})
+                     for mb in mbs]
+        depth_err = max_diff(tree_logprobs(model, depth_mbs), want)
+    print(f"qwen2_5_vl: tree vs HF {tree_err:.3g}; depths instead of (t, h, w) positions {depth_err:.3g}")
+    assert tree_err < TOL and depth_err > 1e-2
+
+
+def test_gradients_match_each_sequence_alone(checkpoint, forest):
+    """Tree backward (one micro-batch at a time) vs each sequence alone as its own micro-batch, same model: every
+    parameter, the vision tower's included."""
+    seqs, images, mbs = forest
+    model = build_model(checkpoint, tree=True, recompute="full")[0].train()
+    tree_lp = {}
+    for mb in mbs:
+        lp = tree_logprobs(model, [mb])
+        weighted_sum(lp).backward()
+        tree_lp.update(lp)
+    tree_grads = param_grads(model)
+    alone = {}
+    for sid, (seq, imgs) in enumerate(zip(seqs, images)):
+        lp = tree_logprobs(model, vision_micro_batches([seq], [imgs]))[0]
+        alone[sid] = lp
+    weighted_sum(alone).backward()
+    lp_err = max_diff(tree_lp, alone)
+    grads = param_grads(model)
+    assert any(n.startswith("visual.") for n in grads)
+    grad_err = relative_grad_error(tree_grads, grads)
+    print(f"qwen2_5_vl/full recompute: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
+    assert lp_err < TOL and grad_err < TOL
