@@ -26,7 +26,7 @@ from scripts.parity_common import (
     weighted_sum,
 )
 
-from megatron_tree import ImageInput, MicroBatchSpec, build_tree_model, pack_vision_trees
+from megatron_tree import ImageInput, MicroBatchSpec, build_tree_model, pack_trees, pack_vision_trees, tree_forward_only
 from megatron_tree.mcore.vision_language import VisionLanguageModel
 from megatron_tree.runtime import QWEN2_5_VL_TOKENS, save_tiny_hf_checkpoint
 
@@ -123,18 +123,22 @@ def test_tree_logprobs_match_hf_and_depths_do_not(checkpoint, forest):
     model = build_model(checkpoint, tree=True)[0].eval()
     with torch.no_grad():
         tree_err = max_diff(tree_logprobs(model, mbs), want)
+        schedule_err = max_diff(dict(enumerate(tree_forward_only([model], mbs))), want)
         depth_mbs = [mb.__class__(**{**vars(mb), "mrope_position_ids": mb.position_ids.expand(3, 1, -1)})
                      for mb in mbs]
         depth_err = max_diff(tree_logprobs(model, depth_mbs), want)
-    print(f"qwen2_5_vl: tree vs HF {tree_err:.3g}; depths instead of (t, h, w) positions {depth_err:.3g}")
-    assert tree_err < TOL and depth_err > 1e-2
+    print(f"qwen2_5_vl: tree vs HF {tree_err:.3g} (through tree_forward_only {schedule_err:.3g}); depths instead of "
+          f"(t, h, w) positions {depth_err:.3g}")
+    assert tree_err < TOL and schedule_err < TOL and depth_err > 1e-2
+    with pytest.raises(ValueError, match=r"rotates by \(t, h, w\) positions \[3, b, S\]"):
+        tree_forward_only([model], pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=64)))
 
 
 def test_gradients_match_each_sequence_alone(checkpoint, forest):
     """Tree backward (one micro-batch at a time) vs each sequence alone as its own micro-batch, same model: every
     parameter, the vision tower's included."""
     seqs, images, mbs = forest
-    model = build_model(checkpoint, tree=True, recompute="full")[0].train()
+    model = build_model(checkpoint, tree=True)[0].train()
     tree_lp = {}
     for mb in mbs:
         lp = tree_logprobs(model, [mb])
@@ -150,5 +154,5 @@ def test_gradients_match_each_sequence_alone(checkpoint, forest):
     grads = param_grads(model)
     assert any(n.startswith("visual.") for n in grads)
     grad_err = relative_grad_error(tree_grads, grads)
-    print(f"qwen2_5_vl/full recompute: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
+    print(f"qwen2_5_vl: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
     assert lp_err < TOL and grad_err < TOL
