@@ -16,72 +16,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from scripts.parity_common import (
+    IMG,
     VOCAB,
     build_model,
-    hf_model,
+    hf_vision_logprobs,
     max_diff,
     param_grads,
     relative_grad_error,
+    tree_and_alone_backward,
     tree_logprobs,
-    weighted_sum,
+    vision_forest,
+    vision_micro_batches,
 )
 
-from megatron_tree import ImageInput, MicroBatchSpec, build_tree_model, pack_trees, pack_vision_trees, tree_forward_only
+from megatron_tree import MicroBatchSpec, build_tree_model, pack_trees, tree_forward_only
 from megatron_tree.mcore.vision_language import VisionLanguageModel
-from megatron_tree.runtime import QWEN2_5_VL_TOKENS, save_tiny_hf_checkpoint
+from megatron_tree.runtime import save_tiny_hf_checkpoint
 
 TOL = 1e-5
-IMG, START, END = (QWEN2_5_VL_TOKENS[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
-PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch²
-
-
-def _image(gen: torch.Generator, grid: tuple[int, int, int]) -> ImageInput:
-    return ImageInput(torch.randn(grid[0] * grid[1] * grid[2], PATCH, generator=gen), grid)
-
-
-def vision_forest(seed: int = 0) -> tuple[list[list[int]], list[list[ImageInput]]]:
-    """Sequences and their images (module docstring); text tokens 1..3 sort before the random ones (>= 10)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(n: int) -> list[int]:
-        return torch.randint(10, IMG, (n,), generator=gen).tolist()
-
-    def block(img: ImageInput) -> list[int]:
-        return [START] + [IMG] * img.num_tokens(2) + [END]
-
-    a, b, wide = _image(gen, (1, 4, 4)), _image(gen, (1, 4, 4)), _image(gen, (1, 4, 8))
-    text = rand(4)
-    seqs, images = [], []
-    for img in (a, b):  # same grid, same placeholder ids, different pixels
-        prompt = block(img) + text
-        long_c = prompt + [3] + rand(7)
-        seqs += [prompt + [1] + rand(2), prompt + [2] + rand(9), long_c, list(long_c)]
-        images += [[img]] * 4
-    prompt = rand(3) + block(a) + rand(2)  # image a again, under another prefix
-    seqs += [prompt + [1] + rand(3), prompt + [2] + rand(6)]
-    images += [[a]] * 2
-    prompt = rand(2) + block(wide) + rand(3)
-    seqs += [prompt + [1], prompt + [2] + rand(8), prompt + block(a) + rand(4)]
-    images += [[wide], [wide], [wide, a]]
-    return seqs, images
-
-
-def vision_micro_batches(seqs, images, max_tokens: int = 64):
-    return pack_vision_trees(seqs, images, MicroBatchSpec(max_tokens_per_mb=max_tokens), image_token_id=IMG)
-
-
-def hf_vision_logprobs(path, seqs, images) -> dict[int, torch.Tensor]:
-    """Each sequence alone through Hugging Face's ``Qwen2_5_VLForConditionalGeneration`` (fp32)."""
-    hf = hf_model(path, dtype=torch.float32)
-    out = {}
-    with torch.no_grad():
-        for sid, (seq, imgs) in enumerate(zip(seqs, images)):
-            ids = torch.tensor(seq)[None]
-            kwargs = dict(pixel_values=torch.cat([i.pixel_values for i in imgs]),
-                          image_grid_thw=torch.tensor([i.grid_thw for i in imgs])) if imgs else {}
-            logits = hf(ids, mm_token_type_ids=(ids == IMG).int(), **kwargs).logits[0, :-1]
-            out[sid] = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +91,7 @@ def test_gradients_match_each_sequence_alone(checkpoint, forest):
     parameter, the vision tower's included."""
     seqs, images, mbs = forest
     model = build_model(checkpoint, tree=True)[0].train()
-    tree_lp = {}
-    for mb in mbs:
-        lp = tree_logprobs(model, [mb])
-        weighted_sum(lp).backward()
-        tree_lp.update(lp)
-    tree_grads = param_grads(model)
-    alone = {}
-    for sid, (seq, imgs) in enumerate(zip(seqs, images)):
-        lp = tree_logprobs(model, vision_micro_batches([seq], [imgs]))[0]
-        alone[sid] = lp
-    weighted_sum(alone).backward()
+    tree_grads, tree_lp, alone = tree_and_alone_backward(model, seqs, images, mbs)
     lp_err = max_diff(tree_lp, alone)
     grads = param_grads(model)
     assert any(n.startswith("visual.") for n in grads)
