@@ -38,16 +38,20 @@ class VisionLanguageModel(GPTModel):
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 image_slots: torch.Tensor | None = None, image_rows: torch.Tensor | None = None, **kwargs: Any):
         """``GPTModel.forward`` with images: the keywords of ``VisionMicroBatch.model_inputs()``. Positions are
-        ``mrope_position_ids`` [3, b, S] when given, else ``position_ids``, which must then be [3, b, S]."""
-        positions = mrope_position_ids if mrope_position_ids is not None else position_ids
+        ``mrope_position_ids [3, b, S]``; without images, ``position_ids [b, S]`` (depths) may stand for them: a
+        text token's (t, h, w) position is ``(d, d, d)`` (plain tree micro-batches, ``verify_tree_model``)."""
+        images = pixel_values is not None and pixel_values.shape[0] > 0
+        positions = mrope_position_ids
+        if positions is None and position_ids is not None and position_ids.dim() == 2 and not images:
+            positions = position_ids[None].expand(3, -1, -1)
         if positions is None or positions.dim() != 3 or positions.shape[0] != 3:
             got = None if positions is None else tuple(positions.shape)
             raise ValueError(
-                f"a vision-language model rotates by (t, h, w) positions [3, b, S], got position_ids of shape {got}; "
-                f"pack with megatron_tree.pack_vision_trees and call model(mb.input_ids, mb.position_ids, "
+                f"a vision-language model with images rotates by (t, h, w) positions [3, b, S] (mrope_position_ids), "
+                f"got {got}; pack with megatron_tree.pack_vision_trees and call model(mb.input_ids, mb.position_ids, "
                 f"mb.attention_mask, **mb.model_inputs())"
             )
-        if pixel_values is not None and pixel_values.shape[0] and decoder_input is None and self.pre_process:
+        if images and decoder_input is None and self.pre_process:
             decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw, image_slots, image_rows)
         return super().forward(input_ids, positions, attention_mask, decoder_input=decoder_input, **kwargs)
 

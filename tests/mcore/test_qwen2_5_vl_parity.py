@@ -18,9 +18,12 @@ from safetensors.torch import load_file
 from scripts.parity_common import (
     IMG,
     VOCAB,
+    branching_forest,
     build_model,
+    hf_logprobs,
     hf_vision_logprobs,
     max_diff,
+    micro_batches,
     param_grads,
     relative_grad_error,
     tree_and_alone_backward,
@@ -29,7 +32,7 @@ from scripts.parity_common import (
     vision_micro_batches,
 )
 
-from megatron_tree import MicroBatchSpec, build_tree_model, pack_trees, tree_forward_only
+from megatron_tree import build_tree_model, tree_forward_only
 from megatron_tree.mcore.vision_language import VisionLanguageModel
 from megatron_tree.runtime import save_tiny_hf_checkpoint
 
@@ -82,8 +85,19 @@ def test_tree_logprobs_match_hf_and_depths_do_not(checkpoint, forest):
     print(f"qwen2_5_vl: tree vs HF {tree_err:.3g} (through tree_forward_only {schedule_err:.3g}); depths instead of "
           f"(t, h, w) positions {depth_err:.3g}")
     assert tree_err < TOL and schedule_err < TOL and depth_err > 1e-2
-    with pytest.raises(ValueError, match=r"rotates by \(t, h, w\) positions \[3, b, S\]"):
-        tree_forward_only([model], pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=64)))
+    mb = mbs[0]
+    with pytest.raises(ValueError, match=r"with images rotates by \(t, h, w\) positions \[3, b, S\]"):
+        model(mb.input_ids, mb.position_ids, mb.attention_mask, **{**mb.model_inputs(), "mrope_position_ids": None})
+
+
+def test_text_only_trees_match_hf(checkpoint):
+    """Plain tree micro-batches (depths): a text token's (t, h, w) position is (d, d, d)."""
+    seqs = branching_forest()
+    model = build_model(checkpoint, tree=True)[0].eval()
+    with torch.no_grad():
+        err = max_diff(dict(enumerate(tree_forward_only([model], micro_batches(seqs)))), hf_logprobs(checkpoint, seqs))
+    print(f"qwen2_5_vl text only: tree vs HF {err:.3g}")
+    assert err < TOL
 
 
 def test_gradients_match_each_sequence_alone(checkpoint, forest):
