@@ -166,7 +166,8 @@ def tiny_hf_config(arch: str, **overrides: Any):
         "qwen2_5_vl": (  # Qwen2.5-VL's language model: Qwen2 layers (qkv biases), mRoPE over (t, h, w) = 2 + 3 + 3
             # of each head's 8 frequencies
             "Qwen2_5_VLTextConfig",
-            dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}),
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+                 bos_token_id=None, eos_token_id=None),  # the published ids lie outside the tiny vocabulary
         ),
         "qwen3_5": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # Qwen3.5 text: hybrid layers, dense MLPs
         "qwen3_5_vl": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # published Qwen3.5: the same language model
