@@ -3,7 +3,7 @@
     python examples/make_rollouts.py --out /tmp/rollouts.jsonl
     python examples/make_rollouts.py --out /tmp/rollouts.parquet --prompts 16
     python examples/train_tree.py --config configs/tiny_qwen3.yaml --data-path /tmp/rollouts.jsonl --loss grpo
-    python examples/make_rollouts.py --out /tmp/vl_rollouts.jsonl --images   # image prompts for configs/tiny_qwen2_5_vl.yaml
+    python examples/make_rollouts.py --out /tmp/vl_rollouts.jsonl --images   # for configs/tiny_qwen2_5_vl.yaml
 
 ``--prompts`` prompts, each sampled ``--samples`` times: one row per sample with ``input_ids``
 (prompt + response, ids in ``[0, vocab)``), ``loss_mask`` (1 on the response), ``group``

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["OTHER_TINY_ARCHS", "QWEN2_5_VL_TOKENS", "TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
+__all__ = ["OTHER_TINY_ARCHS", "QWEN2_5_VL_TOKENS", "TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint",
+           "tiny_hf_config"]
 
 TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_5",
               "qwen3_next")

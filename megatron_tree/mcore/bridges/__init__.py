@@ -26,8 +26,18 @@ from megatron_tree.mcore.bridges.qwen3_hybrid import (
     Qwen35VLBridge,
 )
 
-__all__ = ["BRIDGES", "REPLACED", "Gemma3TextBridge", "Qwen25VLBridge", "Qwen35Bridge", "Qwen35MoeBridge", "Qwen35MoeVLBridge", "Qwen35VLBridge",
-           "Qwen3NextBridge", "register_bridges"]
+__all__ = [
+    "BRIDGES",
+    "REPLACED",
+    "Gemma3TextBridge",
+    "Qwen25VLBridge",
+    "Qwen35Bridge",
+    "Qwen35MoeBridge",
+    "Qwen35MoeVLBridge",
+    "Qwen35VLBridge",
+    "Qwen3NextBridge",
+    "register_bridges",
+]
 
 BRIDGES = {
     "qwen3_next": Qwen3NextBridge,
