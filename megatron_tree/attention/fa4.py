@@ -198,9 +198,9 @@ def fa4_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = 
         slots = pad_query_slots(query_slots, -(-tq // BLOCK) * BLOCK)
     partial, full = classify_blocks(end_padded, BLOCK, slots)
     forward = BlockSparseTensorsTorch(*_ordered_tables(partial), *_ordered_tables(full), block_size=(BLOCK, BLOCK))
-    backward = BlockSparseTensorsTorch(
-        *_ordered_tables(partial.T.contiguous()), *_ordered_tables(full.T.contiguous()), block_size=(BLOCK, BLOCK)
-    )
+    # clone, not .contiguous(): a transposed [nk, 1] keeps stride (1, nk), which the CuTe layout check refuses.
+    partial_t, full_t = (blocks.T.clone(memory_format=torch.contiguous_format) for blocks in (partial, full))
+    backward = BlockSparseTensorsTorch(*_ordered_tables(partial_t), *_ordered_tables(full_t), block_size=(BLOCK, BLOCK))
     aux = (end_padded,) if slots is None else (end_padded, slots)
     return FA4TreeMask(aux, forward, backward, t, tq)
 

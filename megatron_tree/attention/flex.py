@@ -218,7 +218,8 @@ def _ordered_tables(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [nq, nk] -> (num_blocks int32 [1, 1, nq], indices int32 [1, 1, nq, nk]), listed blocks first, ascending."""
     num = blocks.sum(dim=1, dtype=torch.int32)
     indices = torch.argsort(blocks.to(torch.int32), dim=1, descending=True, stable=True).to(torch.int32)
-    return num[None, None], indices[None, None]
+    # Row-major strides even on size-1 dims (sort keeps its input's): kernels check strides[-1] == 1.
+    return num[None, None], indices[None, None].clone(memory_format=torch.contiguous_format)
 
 
 def pad_subtree_end(end: torch.Tensor, length: int) -> torch.Tensor:

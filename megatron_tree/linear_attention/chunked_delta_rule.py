@@ -19,9 +19,11 @@ chunks at once; a Python loop over the chunk index j carries the states (``U`` a
 n_j sequences with a chunk j, one batched matmul each).
 
 flash-linear-attention's Triton kernels (``fla.ops.gated_delta_rule``) run only for the input dtypes of
-:data:`FLA_DTYPES`, on CUDA, where fla imports: none yet, as no GPU test has compared them (fla 0.6.0's varlen
-backward hit an illegal memory access in our tree test on an H200); elsewhere the PyTorch path below (fp32
-math, autograd backward), exact on CPU and GPU. fp32 never goes to fla: its Triton dots take TF32."""
+:data:`FLA_DTYPES`, on CUDA, where fla imports: none yet, as no GPU test has compared them. On the H200 host
+(triton 3.6) fla 0.6.0 refuses itself: "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results
+for gated chunk_bwd_dqkwg (see #640)" (``benchmarks/fla_probe.py``); our first tree test there stopped at an
+illegal memory access in its varlen backward. Elsewhere the PyTorch path below (fp32 math, autograd backward),
+exact on CPU and GPU. fp32 never goes to fla: its Triton dots take TF32."""
 
 from __future__ import annotations
 

@@ -37,33 +37,59 @@ def chunk_cases(seed: int = 0, capacity: int = 40):
     return torch.from_numpy(forest.subtree_end.astype(np.int32))[None], cases
 
 
-def check_chunks_match_whole(backend: str, device: str, dtype: torch.dtype, tol: float) -> None:
+def check_chunks_match_whole(backend: str, device: str, dtype: torch.dtype, hn: int = 32, heads=(4, 2)) -> None:
+    """Every chunk's call (``backend``, ``dtype``, ``heads`` = (query, key/value) heads of dim ``hn``) against the same
+    rows of dense fp32 attention over the whole forest: outputs, dQ and the chunk's dK / dV (context keys included).
+    fp32: within 1e-5 of the largest reference entry. bf16: within 2x the error of the dense backend's own bf16 call on
+    the same chunk (FlashAttention's rule), as a kernel is proven."""
     end, cases = chunk_cases()
     t = end.shape[1]
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(t, 1, n, 32, generator=gen).to(device, dtype).requires_grad_() for n in (4, 2, 2))
+    q, k, v = (torch.randn(t, 1, n, hn, generator=gen).to(device).requires_grad_() for n in (heads[0], *heads[1:] * 2))
     whole = tree_attention(q, k, v, end.to(device), backend="dense")
     assert any(c for _, _, c in cases)
+
+    def chunk_call(name, mask, slots, c, grad):
+        own = slots[c:]
+        parts = [x.detach()[idx].to(dtype).requires_grad_() for x, idx in ((q, own), (k, slots), (v, slots))]
+        out = tree_attention(*parts, mask.to(device), backend=name, context=c)
+        return [out, *torch.autograd.grad(out, parts, grad.to(dtype))]
+
     for mask, slots, c in cases:
         slots = slots.to(device)
-        own = slots[c:]
-        parts = [x.detach()[idx].requires_grad_() for x, idx in ((q, own), (k, slots), (v, slots))]
-        out = tree_attention(*parts, mask.to(device), backend=backend, context=c)
-        want = whole[own]
+        want = whole[slots[c:]]
         grad = torch.randn_like(want)
-        got_grads = torch.autograd.grad(out, parts, grad)
         want_grads = torch.autograd.grad(want, (q, k, v), grad, retain_graph=True)
-        scale = want.abs().max()
-        assert float((out - want).abs().max() / scale) < tol
-        assert float((got_grads[0] - want_grads[0][own]).abs().max() / want_grads[0].abs().max()) < tol
-        for got, ref in zip(got_grads[1:], want_grads[1:]):  # keys and values read by the chunk's queries
-            assert float((got - ref[slots]).abs().max() / ref.abs().max()) < tol
+        refs = [want, want_grads[0][slots[c:]], want_grads[1][slots], want_grads[2][slots]]
+
+        def errors(got):
+            return [float((a.float() - b).abs().max() / b.abs().max()) for a, b in zip(got, refs)]
+
+        got = errors(chunk_call(backend, mask, slots, c, grad))
+        if dtype == torch.float32:
+            assert max(got) < 1e-5, got
+        else:
+            bound = errors(chunk_call("dense", mask, slots, c, grad))
+            assert all(g <= 2 * b + 1e-6 for g, b in zip(got, bound)), (got, bound)
 
 
 def test_dense_chunk_behind_its_context_equals_the_whole_tree():
-    check_chunks_match_whole("dense", "cpu", torch.float32, 1e-5)
+    check_chunks_match_whole("dense", "cpu", torch.float32)
 
 
 @pytest.mark.gpu
-def test_flex_chunk_behind_its_context_equals_the_whole_tree():
-    check_chunks_match_whole("flex", "cuda", torch.float32, 1e-5)
+@pytest.mark.parametrize("backend,dtype,hn,heads", [
+    ("flex", torch.float32, 64, (4, 1)),    # flex's proven fp32 shapes: GQA 4:1 at head dim 64
+    ("flex", torch.bfloat16, 128, (4, 2)),
+    ("fa4", torch.bfloat16, 128, (4, 2)),   # the chunk's queries reach FA4 as query slots
+    ("fa4", torch.bfloat16, 64, (4, 4)),
+])
+def test_gpu_chunk_behind_its_context_equals_the_whole_tree(backend, dtype, hn, heads):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if backend == "fa4":
+        from megatron_tree.attention.fa4 import fa4_available
+
+        if not fa4_available():
+            pytest.skip("needs flash-attn-4 (benchmarks/fa4_stage.sh)")
+    check_chunks_match_whole(backend, "cuda", dtype, hn, heads)

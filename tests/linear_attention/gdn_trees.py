@@ -13,6 +13,11 @@ import torch
 from forests import dfs_layout, random_subtree_end
 
 
+FLA_OFF = ("fla is off (chunked_delta_rule.FLA_DTYPES is empty: fla 0.6.0 refuses itself on Hopper with triton < 3.7.1, "
+           "'incorrect results for gated chunk_bwd_dqkwg', and its first H200 run stopped at an illegal memory access in "
+           "its varlen backward); MEGATRON_TREE_FLA_CHECK=1 runs this check")
+
+
 def handmade_subtree_end() -> torch.Tensor:
     """int32 [T]: a prompt of 70 with two short siblings before a 200-token branch and a strict prefix of
     it (30); a 20-chain with a 2-token branch at every depth; a single node; a 300-chain (several chunks);

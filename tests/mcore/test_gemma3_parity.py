@@ -74,6 +74,19 @@ def test_bridge_builds_gemma3_layers_and_exports_hf_weights(checkpoints):
     assert all(torch.equal(exported[k], hf[k]) for k in hf)
 
 
+def test_transformer_engine_overrides_keep_the_tanh_geglu_unfused(checkpoints):
+    """The TE overrides ask for ``bias_activation_fusion``, which megatron-core's config refuses for the tanh GeGLU
+    (found on the GPU host): the bridge keeps it off instead of failing the build."""
+    from mbridge import AutoBridge
+
+    from megatron_tree.mcore.bridges import register_bridges
+
+    register_bridges()
+    bridge = AutoBridge.from_pretrained(checkpoints["gemma3"])
+    bridge.set_extra_args(bias_activation_fusion=True, bias_dropout_fusion=True)
+    assert bridge.config.bias_activation_fusion is False and bridge.config.bias_dropout_fusion is True
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tree_and_upstream_logprobs_match_hf(name, checkpoints, forest):
     seqs, mbs = forest

@@ -7,8 +7,9 @@ all by default)
 (``tests/mcore/test_families_gpu.py`` runs it both ways). With Transformer Engine importable the
 models are built on the TE spec (mbridge builds it whenever TE runs); ``--no-te`` hides TE from
 this process first (megatron-core's local spec on the GPU). Hugging Face runs on the CPU in fp32.
-Prints one line per family, ``ARCH spec=te|local logprob=... grad=...``, and exits 1 when any
-family is off by more than 1e-5 (or fails to build / run, with the error on its line).
+Prints one line per family, ``ARCH spec=te|local logprob=... grad=... decay_grad=... floor=... own=... (worst:
+PARAM)`` (:func:`check` says what each is), and exits 1 when any family fails :func:`passes` or fails to build / run
+(with the error on its line).
 """
 
 from __future__ import annotations
@@ -48,9 +49,20 @@ from megatron_tree.runtime import (  # noqa: E402
 TOL = 1e-5
 
 
-def check(arch: str, work_dir: str) -> tuple[float, float]:
-    """(max |tree - HF| log-prob, relative gradient error tree vs per-sequence upstream) for one family (an arch of
-    ``TINY_ARCHS`` / ``OTHER_TINY_ARCHS`` or a sliding-window case of ``SLIDING_WINDOW_CASES``)."""
+DECAY = ("self_attention.A_log", "self_attention.dt_bias")
+"""Gated DeltaNet's per-head decay parameters: their gradient sums every slot's decay gradient, formed by reverse
+cumulative sums (fp32 cancellation, whatever the packing); held to ``DECAY_TOL`` as on CPU
+(``tests/mcore/test_gated_delta_net_parity.py``)."""
+DECAY_TOL = 3 * TOL
+
+
+def check(arch: str, work_dir: str) -> dict[str, float | str]:
+    """One family (an arch of ``TINY_ARCHS`` / ``OTHER_TINY_ARCHS`` or a sliding-window case of
+    ``SLIDING_WINDOW_CASES``): ``logprob`` max |tree - HF|; relative gradient errors (full recompute) outside
+    :data:`DECAY` / over it (0 without GDN layers) of the tree vs the upstream model run per sequence (``grad`` /
+    ``decay_grad``, ``worst`` the parameter with the largest), of the same tree model run with no sharing (each
+    sequence its own tree) vs upstream (``floor``: the two implementations' fp32 rounding, no tree in it) and of the
+    tree vs that unshared run (``own``: what sharing alone changes)."""
     base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))
     path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, arch), **overrides)
     seqs = branching_forest()
@@ -61,11 +73,33 @@ def check(arch: str, work_dir: str) -> tuple[float, float]:
     tree.train()
     for mb in mbs:  # one micro-batch at a time, as training does
         weighted_sum(tree_logprobs(tree, [mb])).backward()
+    got = param_grads(tree)
+    for sid, seq in enumerate(seqs):  # no sharing: each sequence its own tree
+        weighted_sum({sid: tree_logprobs(tree, micro_batches([seq]))[0]}).backward()
+    unshared = param_grads(tree)
     # The reference runs megatron-core's unfused RoPE: its fused MLA RoPE (a Triton kernel, TE spec) does not
     # compile on the GPU host's Triton 3.6 (CompilationError), and the tree model runs unfused RoPE for MLA anyway.
     flat = build_model(path, tree=False, extra_args={"apply_rope_fusion": False})[0].train()
     weighted_sum(flat_logprobs(flat, seqs)).backward()
-    return lp_err, relative_grad_error(param_grads(tree), param_grads(flat))
+    want = param_grads(flat)
+
+    def errors(a, b):
+        errs = {n: relative_grad_error({n: a[n]}, {n: b[n]}) for n in b}
+        decay = [e for n, e in errs.items() if n.endswith(DECAY)]
+        return max(e for n, e in errs.items() if not n.endswith(DECAY)), max(decay, default=0.0), errs
+
+    grad, decay, errs = errors(got, want)
+    floor = max(errors(unshared, want)[:2])
+    own = max(errors(got, unshared)[:2])
+    return dict(logprob=lp_err, grad=grad, decay_grad=decay, floor=floor, own=own, worst=max(errs, key=errs.get))
+
+
+def passes(r: dict) -> bool:
+    """Log-probs within :data:`TOL` of HF; gradients within :data:`TOL` (:data:`DECAY_TOL` over :data:`DECAY`) of
+    upstream, or, where upstream's own fp32 rounding is larger (``floor``), within twice it while sharing alone
+    (``own``) stays within :data:`TOL`."""
+    close = r["grad"] < TOL and r["decay_grad"] < DECAY_TOL
+    return r["logprob"] < TOL and (close or (max(r["grad"], r["decay_grad"]) <= 2 * r["floor"] and r["own"] < TOL))
 
 
 def main(argv: list[str]) -> int:
@@ -83,9 +117,10 @@ def main(argv: list[str]) -> int:
         init_cpu_distributed(tp=1)
         for arch in archs or (*TINY_ARCHS, *OTHER_TINY_ARCHS, *SLIDING_WINDOW_CASES):
             try:
-                lp, grad = check(arch, work_dir)
-                ok = lp < TOL and grad < TOL
-                print(f"{arch} spec={spec} logprob={lp:.3g} grad={grad:.3g}{'' if ok else ' FAIL'}", flush=True)
+                r = check(arch, work_dir)
+                ok = passes(r)
+                print(f"{arch} spec={spec} " + " ".join(f"{k}={v:.3g}" for k, v in r.items() if k != "worst")
+                      + f" (worst: {r['worst']}){'' if ok else ' FAIL'}", flush=True)
             except Exception as e:  # one family's failure must not hide the others' results
                 ok = False
                 traceback.print_exc()

@@ -118,7 +118,7 @@ class Gemma3TextBridge(LLMBridge):
     def _build_config(self):
         hf = self.hf_config
         self._check_hf_config(hf)
-        config = self._build_base_config(
+        return self._build_base_config(
             activation_func=gelu_tanh,
             add_bias_linear=False,
             add_qkv_bias=False,
@@ -128,10 +128,12 @@ class Gemma3TextBridge(LLMBridge):
             softmax_scale=hf.query_pre_attn_scalar**-0.5,
             **hf_window_args(hf),
         )
-        # megatron-core fuses a GeGLU only for activation_func=F.gelu (and then computes the tanh form, where its
-        # unfused F.gelu is erf): the tanh GeGLU runs unfused whatever the overrides ask.
-        config.bias_activation_fusion = False
-        return config
+
+    def set_extra_args(self, **kwargs):
+        """mbridge's, with ``bias_activation_fusion`` off whatever is asked (the Transformer Engine overrides ask for
+        it): megatron-core fuses a GeGLU only for ``activation_func=F.gelu`` (and then computes the tanh form, where
+        its unfused F.gelu is erf), and its TransformerConfig refuses the fusion for the tanh GeGLU."""
+        super().set_extra_args(**{**kwargs, "bias_activation_fusion": False})
 
     def _get_gptmodel_args(self) -> dict:
         hf, full = self.hf_config, self._rope(_FULL)
