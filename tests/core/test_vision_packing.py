@@ -84,6 +84,10 @@ def test_equal_images_share_slots_and_different_ones_do_not(batch):
     assert mb.image_slots.numel() == 4 + 4 + 3 + 4 + 4  # a twice (under two prefixes), b, wide, video_like
     assert sorted(set(mb.image_rows.tolist())) == list(range(4 + 4 + 3 + 4))
     assert (mb.input_ids[0, mb.image_slots] == IMG).all()
+    padded = mb.padded_to(mb.num_slots + 3)
+    assert padded.mrope_position_ids.shape == (3, 1, mb.num_slots + 3) and padded.input_ids.shape[1] == mb.num_slots + 3
+    assert padded.model_inputs().keys() == {"mrope_position_ids", "pixel_values", "image_grid_thw", "image_slots",
+                                            "image_rows"}
     # a's and b's prompts hold the same ids: with a in both, they share every prompt slot
     same = pack_vision_trees(seqs[:4], [images[0]] * 4, MicroBatchSpec(max_tokens_per_mb=200), image_token_id=IMG)
     assert same[0].num_tokens == _unique_prefixes(seqs[:4]) < _unique_prefixes(seqs[:4], images[:4])
