@@ -226,13 +226,11 @@ def _vision_micro_batch(mb, seqs, starts, grids, owners, pictures, image_of_row,
     dim = pictures[used[0]].pixel_values.shape[1] if used else 0
     pixel_values = (torch.cat([pictures[u].pixel_values.detach().to("cpu", torch.float32) for u in used])
                     if used else torch.zeros(0, dim))
-
-    def real(keys: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.where(keys >= base, image_token_id, keys))
-
+    labels = mb.logprob_labels.numpy()
     fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(TreeMicroBatch)}
     return VisionMicroBatch(
-        **{**fields, "input_ids": real(ids)[None], "logprob_labels": real(mb.logprob_labels.numpy())},
+        **fields | {"input_ids": torch.from_numpy(np.where(is_img, image_token_id, ids))[None],
+                    "logprob_labels": torch.from_numpy(np.where(labels >= base, image_token_id, labels))},
         mrope_position_ids=torch.from_numpy(positions)[:, None],
         pixel_values=pixel_values,
         image_grid_thw=torch.tensor([pictures[u].grid_thw for u in used], dtype=torch.int64).reshape(-1, 3),
