@@ -150,6 +150,7 @@ def pack_vision_trees(
     *,
     image_token_id: int,
     spatial_merge_size: int = 2,
+    video_token_id: int | None = None,
     dp_group: "torch.distributed.ProcessGroup | None" = None,
     pad_to_multiple_of: int = 1,
     pad_token_id: int = 0,
@@ -160,6 +161,8 @@ def pack_vision_trees(
     images           n lists: sequence i's images (:class:`ImageInput`) in prompt order (an empty list: text).
     image_token_id   the placeholder token (HF config ``image_token_id``); ``spatial_merge_size``: the vision
                      config's.
+    video_token_id   the video placeholder (HF config ``video_token_id``): a sequence holding it is refused (videos
+                     are not supported).
 
     Equal images (pixels and grid) under equal prefixes share their slots; the vision tower runs once per unique
     image of a micro-batch. Trees larger than a micro-batch in chunks (``spec.chunk_trees``) are refused.
@@ -175,6 +178,9 @@ def pack_vision_trees(
     first_row = [0]  # row of each unique image's first merged patch, over all unique images
     keys, starts, grids, owners = [], [], [], []
     for i, (tokens, own) in enumerate(zip(seqs, images)):
+        if video_token_id is not None and (tokens == video_token_id).any():
+            raise ValueError(f"sequence {i} holds video placeholder tokens ({video_token_id}): video inputs are not "
+                             f"supported on trees yet; pass images (or drop the video rollouts)")
         counts = [img.num_tokens(merge) for img in own]
         run_starts = _image_runs(tokens, image_token_id, counts, i)
         key = tokens.copy()

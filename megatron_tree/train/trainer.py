@@ -193,12 +193,13 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
 
 
 def vision_packing_args(bridge) -> dict[str, int] | None:
-    """``pack_vision_trees``'s model keywords (``image_token_id``, ``spatial_merge_size``) of a bridge that builds a
-    vision tower, else None."""
+    """``pack_vision_trees``'s model keywords (``image_token_id``, ``spatial_merge_size``, ``video_token_id``) of a
+    bridge that builds a vision tower, else None."""
     if not getattr(bridge, "builds_vision_tower", False):
         return None
     config = bridge.multimodal_config
-    return dict(image_token_id=config.image_token_id, spatial_merge_size=config.vision_config.spatial_merge_size)
+    return dict(image_token_id=config.image_token_id, spatial_merge_size=config.vision_config.spatial_merge_size,
+                video_token_id=config.video_token_id)
 
 
 def peak_memory_gib(cuda: bool) -> float:

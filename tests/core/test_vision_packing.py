@@ -98,6 +98,7 @@ def test_equal_images_share_slots_and_different_ones_do_not(batch):
     ("lists", "got 2 sequences but 1 image lists"),
     ("chunks", "chunked trees with images are not supported"),
     ("grid", "must be a \\[t \\* h \\* w, C\\] tensor"),
+    ("video", r"sequence 1 holds video placeholder tokens \(151\): video inputs are not supported"),
 ])
 def test_refuses_bad_input(case, match):
     a = _image(0, (1, 4, 4))
@@ -107,6 +108,9 @@ def test_refuses_bad_input(case, match):
                               image_token_id=IMG)
         elif case == "lists":
             pack_vision_trees([[1, 2], [1, 3]], [[]], MicroBatchSpec(max_tokens_per_mb=64), image_token_id=IMG)
+        elif case == "video":
+            pack_vision_trees([[1, 2], [1, 151, 151]], [[], []], MicroBatchSpec(max_tokens_per_mb=64),
+                              image_token_id=IMG, video_token_id=151)
         elif case == "chunks":
             pack_vision_trees([_block(a) + list(range(20))], [[a]],
                               MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=True), image_token_id=IMG)

@@ -53,7 +53,7 @@ class Qwen25VLBridge(LanguageModelOf, Qwen2Bridge):
 
         visual = None
         if pre_process:
-            visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(self.multimodal_config.vision_config)
+            visual = Qwen2_5_VisionTransformerPretrainedModel(self.multimodal_config.vision_config)
         add_vision_tower(model, visual)
 
     def _model_provider(self, post_model_creation_callbacks):
