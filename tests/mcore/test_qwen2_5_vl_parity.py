@@ -5,7 +5,7 @@ vision tower (windowed, then full) merging 2 x 2 patches. The forest: GRPO-like 
 branches laid out before long ones; two different images of one grid (the same placeholder ids) under the same text;
 an image under two different text prefixes; a prompt with text before its image and a wide image; a sequence with two
 images. Tree log-probs vs HF per sequence, gradients (vision tower included) vs each sequence alone, and what the
-check catches (depths instead of (t, h, w) positions).
+check catches (depths instead of (t, h, w) positions); on a GPU (``-m gpu``) the same checks.
 """
 
 from __future__ import annotations
@@ -112,3 +112,20 @@ def test_gradients_match_each_sequence_alone(checkpoint, forest):
     grad_err = relative_grad_error(tree_grads, grads)
     print(f"qwen2_5_vl: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
     assert lp_err < TOL and grad_err < TOL
+
+
+@pytest.mark.gpu
+def test_gpu_vision_trees_match_hf_and_each_sequence_alone(checkpoint, forest):
+    """The same checks on a GPU (fp32, TF32 off: run with ``NVIDIA_TF32_OVERRIDE=0``), its kernels and Transformer
+    Engine's spec where TE runs; Hugging Face's reference on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    seqs, images, mbs = forest
+    model = build_model(checkpoint, tree=True)[0]
+    assert next(model.parameters()).is_cuda
+    with torch.no_grad():
+        err = max_diff(tree_logprobs(model.eval(), mbs), hf_vision_logprobs(checkpoint, seqs, images))
+    tree_grads, tree_lp, alone = tree_and_alone_backward(model.train(), seqs, images, mbs)
+    grad_err = relative_grad_error(tree_grads, param_grads(model))
+    print(f"qwen2_5_vl on {torch.cuda.get_device_name()}: tree vs HF {err:.3g}; vs alone logprob "
+          f"{max_diff(tree_lp, alone):.3g}, relative grad {grad_err:.3g}")
+    assert err < TOL and grad_err < TOL
