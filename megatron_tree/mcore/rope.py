@@ -174,9 +174,9 @@ def _check_supported(gpt: GPTModel) -> None:
         )
     if gpt.position_embedding_type == "mrope" and not isinstance(gpt, VisionLanguageModel):
         raise ValueError(
-            "tree RoPE supports position_embedding_type='mrope' only in a vision-language model (a VisionLanguageModel, "
-            "fed VisionMicroBatch.mrope_position_ids): plain tree micro-batches carry 1-D depths; build a Qwen2.5-VL "
-            "checkpoint with build_tree_model"
+            "tree RoPE supports position_embedding_type='mrope' only in a vision-language model (a "
+            "VisionLanguageModel, fed VisionMicroBatch.mrope_position_ids): plain tree micro-batches carry 1-D "
+            "depths; build a Qwen2.5-VL checkpoint with build_tree_model"
         )
     if _model_rope(gpt) and not isinstance(gpt.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding):
         raise TypeError(

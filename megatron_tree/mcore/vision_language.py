@@ -51,8 +51,11 @@ class VisionLanguageModel(GPTModel):
                 f"got {got}; pack with megatron_tree.pack_vision_trees and call model(mb.input_ids, mb.position_ids, "
                 f"mb.attention_mask, **mb.model_inputs())"
             )
-        if images and decoder_input is None and self.pre_process:
-            decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw, image_slots, image_rows)
+        if decoder_input is None and self.pre_process:
+            if images:
+                decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw, image_slots, image_rows)
+            elif torch.is_grad_enabled() and self.visual is not None:
+                decoder_input = self.embed_without_images(input_ids)
         return super().forward(input_ids, positions, attention_mask, decoder_input=decoder_input, **kwargs)
 
     def embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
@@ -64,6 +67,14 @@ class VisionLanguageModel(GPTModel):
         rows = self.visual(pixel_values.to(weight.dtype), grid_thw=image_grid_thw).pooler_output
         batch = torch.zeros_like(image_slots)
         return embeddings.index_put((image_slots, batch), rows[image_rows].to(embeddings.dtype))
+
+
+    def embed_without_images(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[S, b, h]``: the word embeddings plus 0 x one entry of every vision-tower parameter, so that each one
+        takes part in every training forward (megatron-core's DDP with overlapped gradient reduction waits for a
+        gradient of every parameter in the last micro-batch: a step or rank without images would stall it)."""
+        embeddings = self.embedding(input_ids=input_ids, position_ids=None)
+        return embeddings + 0 * sum(p.reshape(-1)[0] for p in self.visual.parameters()).to(embeddings.dtype)
 
 
 def add_vision_tower(model: GPTModel, visual: torch.nn.Module | None) -> VisionLanguageModel:

@@ -333,7 +333,8 @@ def test_data_errors_name_the_row_and_nothing_is_left_behind(tmp_path, capsys, m
 
 def test_image_rollouts_train_qwen2_5_vl_on_trees(tmp_path, capsys):
     """configs/tiny_qwen2_5_vl.yaml on make_rollouts.py --images: the samples of a prompt share its image in the tree;
-    the same rollouts with a text model are refused in one line."""
+    the same rollouts with a text model are refused in one line; text-only rollouts train the same model with
+    overlapped gradient reduction."""
     image_dir = tmp_path / "vl.jsonl.images"
     image_dir.mkdir()
     data = tmp_path / "vl.jsonl"
@@ -345,6 +346,11 @@ def test_image_rollouts_train_qwen2_5_vl_on_trees(tmp_path, capsys):
     assert np.isfinite(rec["loss"]) and rec["tree_token_ratio"] < 0.6
     assert main(["--data-path", str(data), "--batch-size", "2", "--steps", "1", "--no-progress"]) == 1
     assert "the rollouts carry images, but the model has no vision tower" in capsys.readouterr().err
+    text = tmp_path / "text.jsonl"  # no image in a step: the vision tower still takes part (overlapped reduction)
+    write_rollouts(make_rollouts(prompts=2, samples=3), str(text))
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen2_5_vl.yaml"), "--data-path", str(text),
+                 "--batch-size", "2", "--steps", "1", "--no-progress", "--use-distributed-optimizer",
+                 "--overlap-grad-reduce"]) == 0
 
 
 def test_rollout_file_run_logs_plain_lines_to_sinks(tmp_path, capsys, monkeypatch):
