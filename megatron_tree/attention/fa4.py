@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, device_generation
 from megatron_tree.attention.flex import (
     _check_qkv,
     _check_subtree_end,
@@ -118,7 +118,7 @@ def fa4_unavailable_reason(device: torch.device | None = None) -> str | None:
     elif device is not None and device.type != "cuda":
         problems.append(f"the tensors are on {device}, not on a CUDA GPU")
     else:
-        major = torch.cuda.get_device_capability(device)[0]
+        major = int(device_generation("cuda" if device is None else device)[2:-1])  # "sm90" -> 9, "sm100" -> 10
         if major not in (9, 10):
             problems.append(f"it runs on Hopper (sm90) and Blackwell (sm100) GPUs; this GPU is sm{major}x")
     missing = _fa4_import_error()

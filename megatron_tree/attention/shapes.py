@@ -16,6 +16,8 @@ Versions (a pinned kernel package) are checked by the backend itself.
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 from dataclasses import dataclass
 from typing import Iterable
@@ -32,7 +34,13 @@ def device_generation(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
-    major, minor = torch.cuda.get_device_capability(device)
+    return _cuda_generation(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_generation(index: int) -> str:
+    """``device_generation`` of CUDA device ``index``, asked once (it runs on every attention call)."""
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm{major}{minor}"
 
 
