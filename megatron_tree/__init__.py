@@ -21,6 +21,7 @@ from megatron_tree.core.microbatch import TreeMicroBatch
 from megatron_tree.core.microbatch_spec import MicroBatchSpec
 from megatron_tree.core.packing import pack_trees
 from megatron_tree.core.tree import TokenForest, build_forest
+from megatron_tree.core.vision_packing import ImageInput, VisionMicroBatch, pack_vision_trees
 from megatron_tree.ops.logprobs import gather_tree_logprobs
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss, value_loss
 from megatron_tree.ops.values import gather_tree_scores, gather_tree_values
@@ -52,16 +53,19 @@ _LAZY = {
 __all__ = [
     "BalanceStats",
     "ContextParallelShard",
+    "ImageInput",
     "MicroBatchSpec",
     "PackingStats",
     "TokenForest",
     "TreeMicroBatch",
+    "VisionMicroBatch",
     "balance_across_ranks",
     "build_forest",
     "gather_tree_logprobs",
     "gather_tree_scores",
     "gather_tree_values",
     "pack_trees",
+    "pack_vision_trees",
     "ppo_clip_loss",
     "sft_loss",
     "shard_micro_batch",

@@ -152,6 +152,11 @@ class TreeMicroBatch:
         pieces = [per_sequence[i][s : s + n] for i, s, n in zip(self.sequence_ids, starts, self.target_counts)]
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword inputs the model's forward takes besides ``(input_ids, position_ids, attention_mask)``: none
+        (a :class:`~megatron_tree.core.vision_packing.VisionMicroBatch` adds its images)."""
+        return {}
+
     def padded_to(self, length: int, pad_token_id: int = 0) -> "TreeMicroBatch":
         """Copy padded with extra slots up to ``length`` slots (each padding slot sees only itself)."""
         t = self.num_slots

@@ -45,6 +45,7 @@ from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.mcore.core_attention import TreeCoreAttention
 from megatron_tree.mcore.layer_rope import LayerRopeSelfAttention
 from megatron_tree.mcore.router_stats import weigh_router_statistics
+from megatron_tree.mcore.vision_language import VisionLanguageModel
 
 __all__ = ["LAYER_ROPE_ATTENTIONS", "TreeRotaryEmbedding", "convert_to_tree_model", "enable_tree_rope"]
 
@@ -171,10 +172,11 @@ def _check_supported(gpt: GPTModel) -> None:
             "tree training does not support multi-token prediction (MTP shifts input_ids by one "
             "slot, which is not the next token at branch points); build the model without MTP"
         )
-    if gpt.position_embedding_type == "mrope":
+    if gpt.position_embedding_type == "mrope" and not isinstance(gpt, VisionLanguageModel):
         raise ValueError(
-            "tree RoPE does not support position_embedding_type='mrope' (it reads 3-D position "
-            "ids); tree micro-batches carry 1-D depths"
+            "tree RoPE supports position_embedding_type='mrope' only in a vision-language model (a "
+            "VisionLanguageModel, fed VisionMicroBatch.mrope_position_ids): plain tree micro-batches carry 1-D "
+            "depths; build a Qwen2.5-VL checkpoint with build_tree_model"
         )
     if _model_rope(gpt) and not isinstance(gpt.rotary_pos_emb, RotaryEmbedding | TreeRotaryEmbedding):
         raise TypeError(

@@ -175,7 +175,8 @@ def tree_forward_step(
         if shard is None:
             # MoE routers weigh each slot by the sequences through it (megatron_tree.mcore.router_stats).
             padding_mask = tree_padding_mask(mb) if moe else None
-            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask, **kwargs)
+            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, padding_mask=padding_mask, **kwargs,
+                           **mb.model_inputs())
         else:  # the rank's shard of the slots, weighted as in the whole micro-batch
             padding_mask = tree_padding_mask(mb, shard) if moe else None
             output = model(shard.input_ids, shard.position_ids, shard.attention_mask, padding_mask=padding_mask,

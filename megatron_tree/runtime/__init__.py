@@ -8,6 +8,7 @@ from megatron_tree.runtime.cpu import cpu_mode
 from megatron_tree.runtime.distributed import destroy_distributed, init_cpu_distributed, init_distributed
 from megatron_tree.runtime.tiny_models import (
     OTHER_TINY_ARCHS,
+    QWEN2_5_VL_TOKENS,
     TINY_ARCHS,
     save_hf_config,
     save_tiny_hf_checkpoint,
@@ -16,6 +17,7 @@ from megatron_tree.runtime.tiny_models import (
 
 __all__ = [
     "OTHER_TINY_ARCHS",
+    "QWEN2_5_VL_TOKENS",
     "TINY_ARCHS",
     "cpu_mode",
     "destroy_distributed",

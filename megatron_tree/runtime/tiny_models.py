@@ -11,16 +11,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["OTHER_TINY_ARCHS", "TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint", "tiny_hf_config"]
+__all__ = ["OTHER_TINY_ARCHS", "QWEN2_5_VL_TOKENS", "TINY_ARCHS", "save_hf_config", "save_tiny_hf_checkpoint",
+           "tiny_hf_config"]
 
 TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_5",
               "qwen3_next")
 """The causal-LM architectures every family-wide test (and the launcher's ``--arch``) runs."""
 
-OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe")
+OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl")
 """Architectures :func:`tiny_hf_config` also knows, tested in their own files rather than in every family-wide
 test: Gemma 3 text (``tests/mcore/test_gemma3_parity.py``) and the published multimodal Qwen3.5 / Qwen3.5-MoE
-checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``)."""
+checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL
+(``tests/mcore/test_qwen2_5_vl_parity.py``)."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -44,12 +46,25 @@ conv width 4), then one gated full-attention layer (RoPE on a quarter of each he
 
 
 _GEMMA3_LAYER = "sliding_attention"
-_MULTIMODAL = {"qwen3_5_vl": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig"}
-"""Archs saved as published multimodal checkpoints (HF ``…ForConditionalGeneration``): their ``per_arch`` entry is
-the language model's config (``text_config``), wrapped in this config class with :data:`_TINY_VISION`."""
-
 _TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, num_position_embeddings=16)
 """A one-block vision tower (``vision_config``; ``out_hidden_size`` is the language model's hidden size)."""
+
+_TINY_QWEN2_5_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                            spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+"""Qwen2.5-VL's vision tower, tiny: a windowed block (windows of 2 x 2 merged patches) then a full one; patches of
+3 x 2 x 4 x 4 = 96 values, merged 2 x 2."""
+
+QWEN2_5_VL_TOKENS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
+"""The tiny Qwen2.5-VL's special tokens (inside its vocabulary of 160)."""
+
+_MULTIMODAL = {
+    "qwen3_5_vl": ("Qwen3_5Config", _TINY_VISION, {}),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", _TINY_VISION, {}),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", _TINY_QWEN2_5_VISION, QWEN2_5_VL_TOKENS),
+}
+"""Archs saved as published multimodal checkpoints (HF ``…ForConditionalGeneration``): their ``per_arch`` entry is
+the language model's config (``text_config``), wrapped in this config class with this vision config and these
+top-level keys."""
 
 
 _SIGMOID_ROUTER = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
@@ -149,6 +164,12 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 rope_parameters=_DEEPSEEK_V3_YARN,
             ),
         ),
+        "qwen2_5_vl": (  # Qwen2.5-VL's language model: Qwen2 layers (qkv biases), mRoPE over (t, h, w) = 2 + 3 + 3
+            # of each head's 8 frequencies
+            "Qwen2_5_VLTextConfig",
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+                 bos_token_id=None, eos_token_id=None),  # the published ids lie outside the tiny vocabulary
+        ),
         "qwen3_5": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # Qwen3.5 text: hybrid layers, dense MLPs
         "qwen3_5_vl": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # published Qwen3.5: the same language model
         "qwen3_5_moe": (  # published Qwen3.5-MoE: hybrid layers, MoE in every layer with a gated shared expert
@@ -204,9 +225,10 @@ def tiny_hf_config(arch: str, **overrides: Any):
                                  for i in range(kwargs["num_hidden_layers"])]
     config = config_class(**kwargs)
     if arch in _MULTIMODAL:
-        vision = dict(_TINY_VISION, out_hidden_size=config.hidden_size)
-        return getattr(transformers, _MULTIMODAL[arch])(text_config=config, vision_config=vision,
-                                                        tie_word_embeddings=config.tie_word_embeddings)
+        class_name, vision, top = _MULTIMODAL[arch]
+        vision = dict(vision, out_hidden_size=config.hidden_size)
+        return getattr(transformers, class_name)(text_config=config, vision_config=vision,
+                                                 tie_word_embeddings=config.tie_word_embeddings, **top)
     return config
 
 
@@ -231,7 +253,9 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     ``sqrt(hidden)`` and tied), ``"qwen3_5_vl"`` / ``"qwen3_5_moe"`` (published Qwen3.5 /
     Qwen3.5-MoE checkpoints, ``…ForConditionalGeneration``: a one-block vision tower under ``model.visual``, the
     language model under ``model.language_model``: ``"qwen3_5"``'s layers; Qwen3.5-MoE's MLPs are MoEs of 4 experts
-    of FFN 32, top-2, normalised, with a shared expert of FFN 32 behind a sigmoid gate). Defaults: hidden 64,
+    of FFN 32, top-2, normalised, with a shared expert of FFN 32 behind a sigmoid gate), ``"qwen2_5_vl"`` (Qwen2.5-VL,
+    ``Qwen2_5_VLForConditionalGeneration``: Qwen2 layers with mRoPE sections (2, 3, 3), a two-block vision tower of
+    hidden 32, patch 4, merge 2, windows of 16 pixels; special tokens :data:`QWEN2_5_VL_TOKENS`). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around their initial value (1, or 0

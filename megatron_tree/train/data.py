@@ -11,6 +11,11 @@ A rollout file holds one sequence per line (JSONL) or row (Parquet)::
                                (the samples of a prompt); default: every row its own group
     reward        float        optional; GRPO advantages are computed from it per group
     advantage     float        optional; the sequence's advantage as given (wins over reward)
+    images        list         optional; the sequence's images in prompt order (vision-language models: one run of
+                               the model's image placeholder token per image), each
+                               ``{"pixel_values": [[...]], "grid_thw": [t, h, w]}`` (the model's image processor
+                               output for one image) or the path of a ``.npz`` file holding both arrays (relative
+                               paths from the rollout file's directory)
 
 Per-token fields are aligned with ``input_ids``: entry i is about token i, entry 0 is unused
 (nothing predicts the first token). Other fields are ignored; a name close to one above
@@ -33,13 +38,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import numpy as np
+import torch
 
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
+from megatron_tree.core.vision_packing import ImageInput
 
 if TYPE_CHECKING:
     from megatron_tree.train.config import DataConfig
 
-FIELDS = ("input_ids", "loss_mask", "old_logprobs", "ref_logprobs", "group", "reward", "advantage")
+FIELDS = ("input_ids", "loss_mask", "old_logprobs", "ref_logprobs", "group", "reward", "advantage", "images")
 TOKEN_FIELDS = ("loss_mask", "old_logprobs", "ref_logprobs")
 PARQUET_ROWS_PER_READ = 1024
 
@@ -57,6 +64,7 @@ class Rollout:
     group: Any = None
     reward: float | None = None
     advantage: float | None = None
+    images: list[ImageInput] | None = None
     where: str = ""
 
 
@@ -67,7 +75,8 @@ class RolloutBatch:
     lists hold n arrays [L_k] aligned with the sequences, or are None when no rollout carries
     the field. A rollout without a field another one has gets an all-true mask or NaN
     log-probs (NaN old log-probs: the current policy's). ``groups`` int64 [n]: each sequence's
-    group, 0, 1, ... in order (a group's sequences are consecutive; mini-batches take whole groups)."""
+    group, 0, 1, ... in order (a group's sequences are consecutive; mini-batches take whole groups). ``images``: n
+    lists of each sequence's images, or None when no rollout carries any."""
 
     sequences: list[np.ndarray]
     advantages: np.ndarray
@@ -75,6 +84,7 @@ class RolloutBatch:
     loss_mask: list[np.ndarray] | None
     old_logprobs: list[np.ndarray] | None
     ref_logprobs: list[np.ndarray] | None
+    images: list[list[ImageInput]] | None = None
 
 
 class RolloutSource(Protocol):
@@ -145,6 +155,7 @@ def make_batch(rollouts: list[Rollout], *, need_advantages: bool) -> RolloutBatc
         loss_mask=per_token("loss_mask", True),
         old_logprobs=per_token("old_logprobs", np.nan),
         ref_logprobs=per_token("ref_logprobs", np.nan),
+        images=[r.images or [] for r in rollouts] if any(r.images for r in rollouts) else None,
     )
 
 
@@ -265,9 +276,37 @@ def _scalar(value: Any, name: str, where: str) -> Any:
     return float(value)
 
 
-def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: int | None) -> Rollout:
+_IMAGE_FORM = ("each {'pixel_values': [[...]], 'grid_thw': [t, h, w]} (the model's image processor output for one "
+               "image) or the path of a .npz file holding those two arrays")
+
+
+def _image(item: Any, k: int, where: str, base_dir: str) -> ImageInput:
+    """Image ``k`` of a rollout: an object, or a ``.npz`` path (relative to ``base_dir``)."""
+    if isinstance(item, str):
+        path = os.path.join(base_dir, item)
+        if not path.endswith(".npz"):
+            raise ValueError(f"{where}: image {k} {item!r} is not a .npz file; image files are not decoded here: run "
+                             f"the model's image processor and save pixel_values and grid_thw with numpy.savez")
+        try:
+            with np.load(path) as f:
+                item = {"pixel_values": f["pixel_values"], "grid_thw": f["grid_thw"]}
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"{where}: image {k}: cannot read pixel_values and grid_thw from {path} ({e})") from None
+    if not isinstance(item, dict) or set(item) != {"pixel_values", "grid_thw"}:
+        shown = repr(item) if len(repr(item)) < 60 else repr(item)[:57] + "..."
+        raise ValueError(f"{where}: image {k} is {shown}; field 'images' holds {_IMAGE_FORM}")
+    try:
+        pixels = torch.from_numpy(np.asarray(item["pixel_values"], dtype=np.float32))
+        return ImageInput(pixels, tuple(np.asarray(item["grid_thw"]).reshape(-1).tolist()))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: image {k}: {e}") from None
+
+
+def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: int | None,
+                  base_dir: str = "") -> Rollout:
     """Validate one record (a JSON object or a Parquet row as Python values) into a :class:`Rollout`; ``max_len``:
-    the longest sequence a micro-batch takes (None: any, trees larger than a micro-batch run in chunks)."""
+    the longest sequence a micro-batch takes (None: any, trees larger than a micro-batch run in chunks);
+    ``base_dir``: where relative image paths start."""
     if "input_ids" not in record or record["input_ids"] is None:
         raise ValueError(f"{where}: field 'input_ids' is missing; every rollout needs its token ids")
     ids = _token_array(record["input_ids"], "input_ids", None, where)
@@ -287,7 +326,11 @@ def parse_rollout(record: dict[str, Any], where: str, *, vocab: int, max_len: in
         raise ValueError(f"{where}: field 'loss_mask' marks no token after the first, so the row trains nothing (the "
                          f"first token has no prediction); mark the tokens to train on (the response) or drop the row")
     scalars = {name: _scalar(record.get(name), name, where) for name in ("group", "reward", "advantage")}
-    return Rollout(input_ids=ids, **fields, **scalars, where=where)
+    images = record.get("images")
+    if images is not None and not isinstance(images, list):
+        raise ValueError(f"{where}: field 'images' must be a list, {_IMAGE_FORM}; got {type(images).__name__}")
+    images = [_image(item, k, where, base_dir) for k, item in enumerate(images or [])] or None
+    return Rollout(input_ids=ids, **fields, **scalars, images=images, where=where)
 
 
 def file_fingerprint(path: str, chunk: int = 1 << 16) -> dict[str, Any]:
@@ -400,7 +443,8 @@ class FileSource:
                     if not isinstance(record, dict):
                         raise ValueError(f"{where}: expected a JSON object with 'input_ids', got {line[:40]!r}")
                     _check_names(list(record), where)
-                    yield row, offset, parse_rollout(record, where, vocab=self.vocab, max_len=self.max_len)
+                    yield row, offset, parse_rollout(record, where, vocab=self.vocab, max_len=self.max_len,
+                                                     base_dir=os.path.dirname(self.path))
                 row += 1
 
     def _parquet_file(self):
@@ -440,7 +484,7 @@ class FileSource:
                     continue
                 for record in batch.slice(skip).to_pylist():
                     yield row, 0, parse_rollout(record, f"{self.path} row {row + 1}", vocab=self.vocab,
-                                                max_len=self.max_len)
+                                                max_len=self.max_len, base_dir=os.path.dirname(self.path))
                     row += 1
                 skip = 0
         except (pa.ArrowException, OSError) as e:  # pyarrow's errors of damaged data (ours are plain ValueErrors)

@@ -30,7 +30,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tree import BalanceStats, MicroBatchSpec, PackingStats, balance_across_ranks, pack_trees
+from megatron_tree import (
+    BalanceStats,
+    MicroBatchSpec,
+    PackingStats,
+    balance_across_ranks,
+    pack_trees,
+    pack_vision_trees,
+)
 from megatron_tree.mcore.data_parallel import describe, sync_params
 from megatron_tree.mcore.gated_delta_net import has_gated_delta_net
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
@@ -183,6 +190,16 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
         return loss, m["normalizer"]
 
     return loss_fn
+
+
+def vision_packing_args(bridge) -> dict[str, int] | None:
+    """``pack_vision_trees``'s model keywords (``image_token_id``, ``spatial_merge_size``, ``video_token_id``) of a
+    bridge that builds a vision tower, else None."""
+    if not getattr(bridge, "builds_vision_tower", False):
+        return None
+    config = bridge.multimodal_config
+    return dict(image_token_id=config.image_token_id, spatial_merge_size=config.vision_config.spatial_merge_size,
+                video_token_id=config.video_token_id)
 
 
 def peak_memory_gib(cuda: bool) -> float:
@@ -575,8 +592,11 @@ class Trainer:
         else:
             shares = [np.arange(len(seqs))]
         mine = ids[np.asarray(shares[self.dp_rank], dtype=np.int64)]
-        mbs = pack_trees([batch.sequences[i] for i in mine], self.spec, dp_group=self.dp_group,
-                         share_prefixes=self.cfg.train.tree_training)
+        if batch.images is None:
+            mbs = pack_trees([batch.sequences[i] for i in mine], self.spec, dp_group=self.dp_group,
+                             share_prefixes=self.cfg.train.tree_training)
+        else:
+            mbs = self._pack_images(batch, mine)
         part = dict(seqs=seqs, shares=shares, mine=mine, mbs=mbs, pack_s=time.perf_counter() - t0, old=None)
         t = self.cfg.train
         if self.ppo is not None:
@@ -592,6 +612,23 @@ class Trainer:
             part["old"] = torch.cat(old).cpu() if old else torch.zeros(0)
         part["prepare_s"] = time.perf_counter() - t0
         return part
+
+    def _pack_images(self, batch: RolloutBatch, mine: np.ndarray) -> list:
+        """This rank's sequences with their images in tree micro-batches (``pack_vision_trees``; trees larger than a
+        micro-batch split at branch points, their shared path computed in each part: chunks take no images)."""
+        vision, problem = vision_packing_args(self.bridge), None
+        if vision is None:
+            problem = "the model has no vision tower (train a Qwen2.5-VL checkpoint, or model.arch qwen2_5_vl)"
+        elif not self.tree_model:
+            problem = "images need train.tree_training: true"
+        elif self.ppo is not None:
+            problem = "train.loss ppo with images is not supported yet (its critic and reward models are text models)"
+        if problem:
+            raise ValueError(f"the rollouts carry images, but {problem}; train on text-only rollouts or change that")
+        # Image prompts share <|vision_start|> (one root tree): split at branch points, as chunks take no images.
+        spec = MicroBatchSpec.new(self.spec, chunk_trees=False)
+        return pack_vision_trees([batch.sequences[i] for i in mine], [batch.images[i] for i in mine], spec,
+                                 dp_group=self.dp_group, **vision)
 
     def _update(self, batch: RolloutBatch, part: dict[str, Any], *, first: bool) -> dict[str, Any]:
         """One optimizer update on the mini-batch ``part`` (:meth:`_mini_batch`); returns its record (written to the

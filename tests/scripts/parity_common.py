@@ -13,9 +13,10 @@ import os
 import torch
 from megatron.core import parallel_state
 
-from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree import ImageInput, MicroBatchSpec, pack_trees, pack_vision_trees
 from megatron_tree.mcore import bridge
 from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
+from megatron_tree.runtime.tiny_models import QWEN2_5_VL_TOKENS
 
 VOCAB = 160  # save_tiny_hf_checkpoint's vocabulary
 
@@ -98,7 +99,8 @@ def _device(model) -> torch.device:
 
 def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
     """Log-probs of every sequence held by the tree micro-batches ``mbs`` (on the model's device); MoE models get
-    the tree's ``padding_mask`` (router statistics weighted by sharing), as ``tree_forward_step`` passes it."""
+    the tree's ``padding_mask`` (router statistics weighted by sharing), as ``tree_forward_step`` passes it, and
+    vision-language micro-batches their images (``mb.model_inputs()``)."""
     from megatron_tree.mcore.router_stats import tree_padding_mask
 
     out = {}
@@ -106,7 +108,7 @@ def tree_logprobs(model, mbs) -> dict[int, torch.Tensor]:
     for mb in mbs:
         mb = mb.to(_device(model))
         extra = {"padding_mask": tree_padding_mask(mb)} if moe else {}
-        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask, **extra)
+        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask, **extra, **mb.model_inputs())
         lp = gather_tree_logprobs(logits, mb, tp_group=_tp_group())
         for k, sid in enumerate(mb.sequence_ids):
             out[sid] = lp[mb.cu_targets[k] : mb.cu_targets[k + 1]]
@@ -286,3 +288,75 @@ def run_dist_cases(run_case, work_dir: str, cases: list[str], tol: float) -> int
             failed += float(errs.max().item() >= tol)
         destroy_distributed()
     return int(failed.item() > 0)
+
+
+# Vision-language (Qwen2.5-VL) prompts: the tiny model's placeholder tokens, images of random patches.
+IMG, START, END = (QWEN2_5_VL_TOKENS[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
+PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch²
+
+
+def _image(gen: torch.Generator, grid: tuple[int, int, int]) -> ImageInput:
+    return ImageInput(torch.randn(grid[0] * grid[1] * grid[2], PATCH, generator=gen), grid)
+
+
+def vision_forest(seed: int = 0) -> tuple[list[list[int]], list[list[ImageInput]]]:
+    """Sequences and their images (module docstring); text tokens 1..3 sort before the random ones (>= 10)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, IMG, (n,), generator=gen).tolist()
+
+    def block(img: ImageInput) -> list[int]:
+        return [START] + [IMG] * img.num_tokens(2) + [END]
+
+    a, b, wide = _image(gen, (1, 4, 4)), _image(gen, (1, 4, 4)), _image(gen, (1, 4, 8))
+    text = rand(4)
+    seqs, images = [], []
+    for img in (a, b):  # same grid, same placeholder ids, different pixels
+        prompt = block(img) + text
+        long_c = prompt + [3] + rand(7)
+        seqs += [prompt + [1] + rand(2), prompt + [2] + rand(9), long_c, list(long_c)]
+        images += [[img]] * 4
+    prompt = rand(3) + block(a) + rand(2)  # image a again, under another prefix
+    seqs += [prompt + [1] + rand(3), prompt + [2] + rand(6)]
+    images += [[a]] * 2
+    prompt = rand(2) + block(wide) + rand(3)
+    seqs += [prompt + [1], prompt + [2] + rand(8), prompt + block(a) + rand(4)]
+    images += [[wide], [wide], [wide, a]]
+    return seqs, images
+
+
+def vision_micro_batches(seqs, images, max_tokens: int = 64):
+    return pack_vision_trees(seqs, images, MicroBatchSpec(max_tokens_per_mb=max_tokens), image_token_id=IMG)
+
+
+def hf_vision_logprobs(path, seqs, images) -> dict[int, torch.Tensor]:
+    """Each sequence alone through Hugging Face's ``Qwen2_5_VLForConditionalGeneration`` (fp32)."""
+    hf = hf_model(path, dtype=torch.float32)
+    out = {}
+    with torch.no_grad():
+        for sid, (seq, imgs) in enumerate(zip(seqs, images)):
+            ids = torch.tensor(seq)[None]
+            kwargs = dict(pixel_values=torch.cat([i.pixel_values for i in imgs]),
+                          image_grid_thw=torch.tensor([i.grid_thw for i in imgs])) if imgs else {}
+            logits = hf(ids, mm_token_type_ids=(ids == IMG).int(), **kwargs).logits[0, :-1]
+            out[sid] = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+
+
+def tree_and_alone_backward(model, seqs, images, mbs):
+    """Backward of :func:`weighted_sum` through the tree micro-batches ``mbs`` (one at a time), then through each
+    vision-language sequence alone as its own micro-batch, same model. Returns (tree gradients, tree log-probs,
+    log-probs alone); the second backward's gradients are left in ``.grad`` (:func:`param_grads`)."""
+    tree_lp = {}
+    for mb in mbs:
+        lp = tree_logprobs(model, [mb])
+        weighted_sum(lp).backward()
+        tree_lp.update(lp)
+    tree_grads = param_grads(model)
+    alone = {sid: tree_logprobs(model, vision_micro_batches([seq], [imgs]))[0]
+             for sid, (seq, imgs) in enumerate(zip(seqs, images))}
+    weighted_sum(alone).backward()
+    return tree_grads, tree_lp, alone

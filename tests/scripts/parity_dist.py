@@ -4,7 +4,8 @@ Run: torchrun --standalone --nproc-per-node 2 tests/scripts/parity_dist.py WORK_
 with CASE = ``tp<N>:<arch>:<mode>`` or ``ep<N>:<arch>:<mode>``, mode ``full`` / ``selective``
 (recompute granularity of the gradient check) or ``forward`` (log-probs only), e.g.
 ``tp2:qwen3:full ep2:qwen3_moe:forward`` (``<arch>``: a tiny arch or a sliding-window case of
-``parity_common.SLIDING_WINDOW_CASES``, e.g. ``tp2:qwen2_swa:full``). For each case every rank builds the tree model (under
+``parity_common.SLIDING_WINDOW_CASES``, e.g. ``tp2:qwen2_swa:full``; ``qwen2_5_vl``: image prompts, gradients vs each
+sequence alone through the same tree model). For each case every rank builds the tree model (under
 patch_bridge_for_tree_training) at that parallel size and checks, on a branching forest, tree
 log-probs vs Hugging Face per sequence (< 1e-5); unless ``forward``, it also builds the upstream
 model and checks this rank's parameter gradients of a weighted log-prob sum vs that model run
@@ -28,13 +29,17 @@ from scripts.parity_common import (
     branching_forest,
     build_model,
     hf_logprobs,
+    hf_vision_logprobs,
     max_diff,
     micro_batches,
     param_grads,
     relative_grad_error,
     run_dist_cases,
+    tree_and_alone_backward,
     tree_and_flat_backward,
     tree_logprobs,
+    vision_forest,
+    vision_micro_batches,
 )
 
 from megatron_tree.runtime import init_cpu_distributed, save_tiny_hf_checkpoint
@@ -46,6 +51,13 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
     kind, arch, recompute = case.split(":")
     size = int(kind[2:])
     init_cpu_distributed(**{kind[:2]: size})
+    if arch == "qwen2_5_vl":  # image prompts: gradients vs each sequence alone through the same model
+        path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, f"{kind}_{arch}"))
+        seqs, images = vision_forest()
+        model = build_model(path, tree=True, recompute=recompute)[0].train()
+        tree_grads, tree_lp, _ = tree_and_alone_backward(model, seqs, images, vision_micro_batches(seqs, images))
+        return max_diff(tree_lp, hf_vision_logprobs(path, seqs, images)), relative_grad_error(tree_grads,
+                                                                                              param_grads(model))
     base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))  # e.g. qwen2_swa: Qwen2 with a sliding window
     path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, f"{kind}_{arch}"), **overrides)
     seqs = branching_forest()

@@ -195,3 +195,36 @@ def test_a_batch_larger_than_the_file_is_refused(tmp_path):
     assert len(source(path, batch_size=2).next_batch().sequences) == 4
     with pytest.raises(ValueError, match=r"--batch-size\) 3 is more groups than .*r.jsonl holds \(2\).*--batch-size 2"):
         source(path, batch_size=3).next_batch()
+
+
+def test_images_inline_or_npz_paths(tmp_path):
+    """``images``: inline pixel arrays or ``.npz`` paths relative to the rollout file; each row's list in order."""
+    pixels = np.arange(16 * 6, dtype=np.float32).reshape(16, 6)
+    np.savez(tmp_path / "img.npz", pixel_values=pixels, grid_thw=np.array([1, 4, 4]))
+    inline = {"pixel_values": pixels.tolist(), "grid_thw": [1, 4, 4]}
+    for suffix, first in (("jsonl", "img.npz"), ("parquet", inline)):  # a Parquet column holds one type
+        rows = [{"input_ids": [1, 2], "advantage": 1.0, "images": [first, inline]},
+                {"input_ids": [1, 3], "advantage": 1.0}]
+        path = str(tmp_path / f"v.{suffix}")
+        write_rollouts(rows, path)
+        batch = source(path, batch_size=2).next_batch()
+        assert [len(images) for images in batch.images] == [2, 0]
+        for image in batch.images[0]:
+            assert image.grid_thw == (1, 4, 4) and np.array_equal(image.pixel_values.numpy(), pixels)
+    text = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [1, 2], "advantage": 1.0}])
+    assert source(text, batch_size=1).next_batch().images is None
+
+
+@pytest.mark.parametrize("images, message", [
+    ("img.npz", "field 'images' must be a list"),
+    (["img.png"], "image 0 'img.png' is not a .npz file; image files are not decoded here"),
+    (["missing.npz"], "image 0: cannot read pixel_values and grid_thw from"),
+    ([{"pixel_values": [[0.0]]}], "image 0 is {'pixel_values': [[0.0]]}; field 'images' holds each"),
+    ([{"pixel_values": [[0.0]] * 15, "grid_thw": [1, 4, 4]}], "image 0: ImageInput.pixel_values must be a "
+                                                               "[t * h * w, C] tensor (16 patches for grid (1, 4, 4))"),
+])
+def test_bad_images_are_named(tmp_path, images, message):
+    path = write_jsonl(tmp_path / "r.jsonl", [{"input_ids": [1, 2], "advantage": 1.0, "images": images}])
+    with pytest.raises(ValueError) as e:
+        source(path, batch_size=1).next_batch()
+    assert message in str(e.value) and "r.jsonl line 1" in str(e.value)

@@ -4,17 +4,20 @@
   ``qwen3_5_moe_text``), hybrid Gated DeltaNet / gated full-attention models, and the language model of the published
   multimodal Qwen3.5 checkpoints (``qwen3_5``, ``qwen3_5_moe``; no vision tower:
   :mod:`~megatron_tree.mcore.bridges.language_model`).
+- :mod:`~megatron_tree.mcore.bridges.qwen2_5_vl`: Qwen2.5-VL (``qwen2_5_vl``, replacing mbridge's own: its vision
+  tower needs Transformer Engine): the language model with mRoPE and Hugging Face's vision tower.
 - :mod:`~megatron_tree.mcore.bridges.gemma3`: Gemma 3 text (``gemma3_text``; mbridge's ``gemma3`` is the
   vision-language model): local sliding-window and global layers with their own RoPE bases, sandwich norms.
 
 :func:`register_bridges` makes ``AutoBridge.from_pretrained`` find them; :func:`megatron_tree.build_tree_model`,
 :func:`megatron_tree.build_flat_model` and :func:`megatron_tree.patch_bridge_for_tree_training` call it. Registering
-adds model types only: no mbridge behaviour for other types changes. Idempotent.
+adds model types, and replaces mbridge's bridge for the types in :data:`REPLACED`; no other type changes. Idempotent.
 """
 
 from __future__ import annotations
 
 from megatron_tree.mcore.bridges.gemma3 import Gemma3TextBridge
+from megatron_tree.mcore.bridges.qwen2_5_vl import Qwen25VLBridge
 from megatron_tree.mcore.bridges.qwen3_hybrid import (
     Qwen3NextBridge,
     Qwen35Bridge,
@@ -23,8 +26,18 @@ from megatron_tree.mcore.bridges.qwen3_hybrid import (
     Qwen35VLBridge,
 )
 
-__all__ = ["BRIDGES", "Gemma3TextBridge", "Qwen35Bridge", "Qwen35MoeBridge", "Qwen35MoeVLBridge", "Qwen35VLBridge",
-           "Qwen3NextBridge", "register_bridges"]
+__all__ = [
+    "BRIDGES",
+    "REPLACED",
+    "Gemma3TextBridge",
+    "Qwen25VLBridge",
+    "Qwen35Bridge",
+    "Qwen35MoeBridge",
+    "Qwen35MoeVLBridge",
+    "Qwen35VLBridge",
+    "Qwen3NextBridge",
+    "register_bridges",
+]
 
 BRIDGES = {
     "qwen3_next": Qwen3NextBridge,
@@ -33,17 +46,21 @@ BRIDGES = {
     "qwen3_5": Qwen35VLBridge,
     "qwen3_5_moe": Qwen35MoeVLBridge,
     "gemma3_text": Gemma3TextBridge,
+    "qwen2_5_vl": Qwen25VLBridge,
 }
 """HF ``model_type`` -> our bridge class."""
+
+REPLACED = frozenset({"qwen2_5_vl"})
+"""Types mbridge 0.15.1 registers whose bridge ours replaces (mbridge's cannot build them for tree training)."""
 
 
 def register_bridges() -> None:
     """Register :data:`BRIDGES` with mbridge (``AutoBridge`` then builds them); a type already registered (by mbridge
-    itself, a later release, or an earlier call) is left as it is."""
+    itself, a later release, or an earlier call) is left as it is, except those in :data:`REPLACED`."""
     from mbridge import AutoBridge
     from mbridge.core import register_model
 
     known = set(AutoBridge.list_supported_models())
     for model_type, cls in BRIDGES.items():
-        if model_type not in known:
+        if model_type not in known or model_type in REPLACED:
             register_model(model_type)(cls)

@@ -22,11 +22,11 @@ _log = logging.getLogger(__name__)
 _TEXT_PREFIX, _LANGUAGE_MODEL_PREFIX = "model.", "model.language_model."
 
 
-def language_model_name(hf_name: str) -> str:
-    """A text model's HF weight name -> the multimodal checkpoint's (``model.X`` -> ``model.language_model.X``;
-    ``lm_head.*`` unchanged)."""
+def language_model_name(hf_name: str, prefix: str = _LANGUAGE_MODEL_PREFIX) -> str:
+    """A text model's HF weight name -> the multimodal checkpoint's (``model.X`` -> ``prefix + X``, by default
+    ``model.language_model.X``; ``lm_head.*`` unchanged)."""
     if hf_name.startswith(_TEXT_PREFIX):
-        return _LANGUAGE_MODEL_PREFIX + hf_name[len(_TEXT_PREFIX):]
+        return prefix + hf_name[len(_TEXT_PREFIX):]
     return hf_name
 
 
@@ -44,16 +44,27 @@ class LanguageModelOf:
             )
         text = copy.deepcopy(text)
         text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
-        _log.info("%s checkpoint: building its language model (%s) only; the vision tower (model.visual.*) is not "
-                  "built, prompts are text only", hf_config.model_type, text.model_type)
+        if not self.builds_vision_tower:
+            _log.info("%s checkpoint: building its language model (%s) only; the vision tower (model.visual.*) is "
+                      "not built, prompts are text only", hf_config.model_type, text.model_type)
         self.multimodal_config = hf_config
         super().__init__(text, *args, **kwargs)
 
+    builds_vision_tower = False
+    """Whether the bridge builds the vision tower too
+    (:class:`~megatron_tree.mcore.bridges.qwen2_5_vl.Qwen25VLBridge`)."""
+
+    language_model_prefix = _LANGUAGE_MODEL_PREFIX
+    """Where the checkpoint keeps the language model's ``model.*`` tensors (Qwen2.5-VL checkpoints: ``model.``)."""
+
+    def _language_model_name(self, hf_name: str) -> str:
+        return language_model_name(hf_name, self.language_model_prefix)
+
     def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
-        return [language_model_name(n) for n in super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)]
+        return [self._language_model_name(n) for n in super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)]
 
     def _get_hf_shared_weight_keys(self) -> list[str]:
-        return [language_model_name(n) for n in super()._get_hf_shared_weight_keys()]
+        return [self._language_model_name(n) for n in super()._get_hf_shared_weight_keys()]
 
     def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
         """mbridge's ``save_weights`` (the language model's tensors), with the multimodal config: the directory
