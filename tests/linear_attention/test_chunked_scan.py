@@ -18,13 +18,13 @@ D = 5
 
 
 def branching_sequences() -> list[np.ndarray]:
-    """A 20-token prompt with two short siblings laid out before a 150-token branch (more than one 64-token scan
-    chunk), a branch off that one deep down, a duplicate, a strict prefix, and a second root's 40-token chain."""
+    """A 20-token prompt with two short siblings laid out before a 90-token branch (more than one 64-token scan
+    chunk), a branch off that one deep down, a duplicate, a strict prefix, and a second root's 30-token chain."""
     rng = np.random.default_rng(0)
     prompt = rng.integers(10, 1000, 20).tolist()
-    long = prompt + [3] + rng.integers(10, 1000, 150).tolist()
-    seqs = [prompt + [1, 7], prompt + [2, 8, 9], long, long[:90] + [4] + rng.integers(10, 1000, 30).tolist(),
-            list(long), prompt[:12], rng.integers(10, 1000, 40).tolist()]
+    long = prompt + [3] + rng.integers(10, 1000, 90).tolist()
+    seqs = [prompt + [1, 7], prompt + [2, 8, 9], long, long[:80] + [4] + rng.integers(10, 1000, 20).tolist(),
+            list(long), prompt[:12], rng.integers(10, 1000, 30).tolist()]
     return [np.asarray(s) for s in seqs]
 
 
@@ -61,7 +61,7 @@ def _chunked(inputs, seqs, kernel, capacity, zero_carried=False):
     return torch.cat(ys), torch.cat(os_), len(chunks)
 
 
-@pytest.mark.parametrize("kernel,capacity", [(4, 24), (4, 7), (2, 24)])
+@pytest.mark.parametrize("kernel,capacity", [(4, 24), (2, 9)])
 def test_chunks_equal_the_whole_tree(kernel, capacity):
     seqs = branching_sequences()
     whole = build_chunks(seqs, list(range(len(seqs))), 10_000, 0)[0]
@@ -81,9 +81,10 @@ def test_chunks_equal_the_whole_tree(kernel, capacity):
     errors |= {f"d{n}": rel_err(a, b) for n, a, b in zip("x conv q k v g beta".split(), grads, grads_ref)}
     print(f"K={kernel}, {count} chunks of <= {capacity}: {max(errors.values()):.3g}")
     assert count > 5 and max(errors.values()) < 1e-5, errors
-
-    _, o_zero, _ = _chunked(inputs, seqs, kernel, capacity, zero_carried=True)
-    assert rel_err(o_zero, o_ref) > 1e-2
+    if kernel == 4:
+        _, o_zero, _ = _chunked(inputs, seqs, kernel, capacity, zero_carried=True)
+        print(f"zeroed carried states: {rel_err(o_zero, o_ref):.3g}")
+        assert rel_err(o_zero, o_ref) > 1e-2
 
 
 def test_bad_carried_inputs_are_refused():
