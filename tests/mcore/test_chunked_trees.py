@@ -17,7 +17,9 @@ from scripts.parity_common import (
     SLIDING_WINDOW_CASES,
     VOCAB,
     build_model,
+    chunked_step,
     flat_logprobs,
+    gdn_chunk_batch,
     hf_logprobs_fp64,
     max_diff,
     param_grads,
@@ -68,34 +70,6 @@ def batch():
     return seqs, mbs
 
 
-def weighted_loss_fn(seqs):
-    """``loss_fn`` whose per-micro-batch sums add up to ``weighted_sum`` of all log-probs (count 1 each)."""
-    whole = {}
-    for sid, seq in enumerate(seqs):
-        gen = torch.Generator().manual_seed(100_003 + sid)  # weighted_sum's weights, seed 1
-        whole[sid] = torch.randn(len(seq) - 1, generator=gen)
-    offsets = np.concatenate([[0], np.cumsum([len(s) - 1 for s in seqs])])
-    flat = torch.cat([whole[sid] for sid in range(len(seqs))])
-
-    def loss_fn(logprobs, mb):
-        weights = flat[torch.from_numpy(mb.target_index(offsets))].to(logprobs)
-        return (weights * logprobs).sum(), 1
-
-    return loss_fn
-
-
-def chunked_step(model, mbs, seqs):
-    """Parameter gradients of one ``tree_forward_backward`` step (sums: no division, no DDP)."""
-    config = model.config
-    config.finalize_model_grads_func = lambda *args, **kwargs: None
-    try:
-        tree_forward_backward([model], mbs, weighted_loss_fn(seqs))
-    finally:
-        config.finalize_model_grads_func = None
-    assert not chunk_context._LINKS  # every chunk's kept keys and values were released
-    return param_grads(model)
-
-
 @pytest.mark.parametrize("arch,recompute", [("qwen3", "none"), *(pytest.param(*case, marks=pytest.mark.slow) for case in
                                             [("qwen3", "full"), ("qwen3", "selective"), ("qwen3_moe", "full"),
                                              ("deepseek_v3", "full")])])
@@ -113,23 +87,6 @@ def test_chunked_tree_equals_each_sequence_alone(arch, recompute, checkpoints, b
     assert lp_err < TOL and grad_err < TOL
 
 
-def gdn_batch(seed: int = 0) -> list[list[int]]:
-    """A 20-token prompt with a short sibling laid out before a 70-token branch (more than one 64-token chunk of the
-    scan when run alone), a branch off that one deep down and a duplicate; a 40-token trunk with 3-token branches
-    at depths 22-34 laid out after it (deepest first: one chunk holds several, each hanging from another earlier
-    chunk's slot). 25-91 tokens."""
-    rng = np.random.default_rng(seed)
-
-    def rand(n: int, high: int = VOCAB) -> list[int]:
-        return rng.integers(10, high, n).tolist()
-
-    prompt = rand(20)
-    long_a = prompt + [3] + rand(70)
-    trunk = rand(40, high=150)  # branch tokens 150+ sort after the trunk's
-    return [prompt + [1] + rand(6), long_a, long_a[:60] + [4] + rand(10), list(long_a), trunk,
-            *(trunk[:depth] + [150 + depth % 7] + rand(2) for depth in (22, 25, 30, 34))]
-
-
 @pytest.fixture(scope="module")
 def gdn_checkpoints(tmp_path_factory, cpu_megatron):
     root = tmp_path_factory.mktemp("tiny_hf_gdn_chunks")
@@ -138,7 +95,7 @@ def gdn_checkpoints(tmp_path_factory, cpu_megatron):
 
 def gdn_micro_batches(seed: int):
     """(sequences, their chunks of <= CAPACITY slots, the whole trees in one micro-batch)."""
-    seqs = gdn_batch(seed)
+    seqs = gdn_chunk_batch(seed)
     mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=CAPACITY, chunk_trees=True))
     assert min(map(len, seqs)) > CAPACITY and all(mb.chunk is not None for mb in mbs)
     assert any(len(mb.chunk.carried) > 1 for mb in mbs)  # a chunk starting slots from two earlier branch points

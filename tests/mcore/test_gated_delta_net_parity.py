@@ -10,7 +10,8 @@ built (Hugging Face reference: ``…ForConditionalGeneration`` on text-only inpu
 - ``export_weights`` gives back the checkpoint's tensors under its names (GDN in_proj / conv layouts, the gated
   q_proj, out_norm's ``w - 1``; of a multimodal checkpoint exactly its language model's), and a model that ignores
   the tree in its GDN layers is caught;
-- TP=2, PP=2 and EP=2 over gloo (tests/scripts/gdn_parity_dist.py); context parallel is refused.
+- TP=2, PP=2 and EP=2 over gloo (tests/scripts/gdn_parity_dist.py), and TP=2 on trees larger than a micro-batch
+  (chunks carrying the recurrent states); context parallel is refused.
 
 The forest (``recurrent_forest``) has siblings, strict prefixes, a branch at every depth of a chain and a
 chain longer than one 64-token chunk of the scan.
@@ -250,8 +251,8 @@ def test_context_parallel_is_refused(cpu_megatron):
         AutoBridge.from_config(tiny_hf_config("qwen3_5"), dtype=torch.float32, parallel_states=states)
 
 
-DIST_CASES = ["tp2:qwen3_5:full", "tp2:qwen3_5:selective", "ep2:qwen3_next:forward", "pp2:qwen3_5:full",
-              "pp2:qwen3_next:none"]
+DIST_CASES = ["tp2:qwen3_5:full", "tp2:qwen3_5:selective", "tp2:qwen3_5:chunks", "ep2:qwen3_next:forward",
+              "pp2:qwen3_5:full", "pp2:qwen3_next:none"]
 
 
 @pytest.fixture(scope="module")
