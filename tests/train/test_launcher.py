@@ -573,5 +573,6 @@ def test_gated_delta_net_trees_larger_than_a_micro_batch_run_in_chunks(tmp_path)
                      "--batch-size", "1", "--max-tokens-per-mb", cap, "--log-jsonl", str(logs[cap])]) == 0
     (whole,), (chunked,) = records(logs["256"]), records(logs["16"])
     assert chunked["micro_batches"] > 2 * whole["micro_batches"]
+    print({key: (chunked[key], whole[key]) for key in ("micro_batches", "loss", "grad_norm")})
     for key in ("loss", "grad_norm", "tree_tokens"):
         assert chunked[key] == pytest.approx(whole[key], rel=1e-5), (key, chunked[key], whole[key])
