@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tree.linear_attention.checks import check_finite, check_floating, check_shape
+from megatron_tree.linear_attention.checks import check_carried, check_finite, check_floating, check_shape
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout
 
 __all__ = ["tree_causal_conv1d", "tree_conv_windows"]
@@ -53,12 +53,7 @@ def _extended_input(x, weight, bias, layout, carried_windows) -> torch.Tensor:
     if bias is not None:
         check_shape("bias", bias, (d,), "[D]")
     r = layout.num_carried
-    if (carried_windows is None) != (r == 0):
-        raise ValueError(f"the layout carries {r} states from a chunk's context, so carried_windows must be "
-                         f"{'None' if r == 0 else f'[{r}, K-1, D]'}, got "
-                         f"{None if carried_windows is None else tuple(carried_windows.shape)}")
-    if r:
-        check_shape("carried_windows", carried_windows, (r, layout.conv_kernel - 1, d), "[R, K-1, D]")
+    check_carried("carried_windows", carried_windows, r, (r, layout.conv_kernel - 1, d), "[R, K-1, D]")
     devices = {t.device for t in (x, weight, bias, carried_windows) if t is not None} | {layout.device}
     if len(devices) > 1:
         raise ValueError(f"x, weight, bias, carried_windows and layout must be on one device, got "

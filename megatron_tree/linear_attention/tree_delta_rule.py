@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tree.linear_attention.checks import check_finite, check_floating, check_shape
+from megatron_tree.linear_attention.checks import check_carried, check_finite, check_floating, check_shape
 from megatron_tree.linear_attention.chunked_delta_rule import unchecked_chunk_gated_delta_rule
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout
 
@@ -42,12 +42,7 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     check_shape("g", g, (t, h), "[T, H] like q")
     check_shape("beta", beta, (t, h), "[T, H] like q")
     r = layout.num_carried
-    if (initial_states is None) != (r == 0):
-        raise ValueError(f"the layout carries {r} states from a chunk's context, so initial_states must be "
-                         f"{'None' if r == 0 else f'[{r}, H, Kd, Vd]'}, got "
-                         f"{None if initial_states is None else tuple(initial_states.shape)}")
-    if r:
-        check_shape("initial_states", initial_states, (r, h, dk, v.shape[2]), "[R, H, Kd, Vd]")
+    check_carried("initial_states", initial_states, r, (r, h, dk, v.shape[2]), "[R, H, Kd, Vd]")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast them")
     devices = {x.device for x in (q, k, v, g, beta, initial_states) if x is not None} | {layout.device}

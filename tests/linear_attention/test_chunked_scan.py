@@ -95,9 +95,9 @@ def test_bad_carried_inputs_are_refused():
                               state_exports=info.state_exports)
     t, r = layout.num_slots, layout.num_carried
     q, k, v, g, beta = gdn_inputs(t)
-    with pytest.raises(ValueError, match=f"carries {r} states .* initial_states must be \\[{r}, H, Kd, Vd\\], got None"):
+    with pytest.raises(ValueError, match=f"carries {r} states .* initial_states must be \\[R, H, Kd, Vd\\] with R = {r}, got None"):
         tree_gated_delta_rule(q, k, v, g, beta, layout)
-    with pytest.raises(ValueError, match=f"carried_windows must be \\[{r}, K-1, D\\], got None"):
+    with pytest.raises(ValueError, match=f"carried_windows must be \\[R, K-1, D\\] with R = {r}, got None"):
         tree_causal_conv1d(torch.zeros(t, D), torch.zeros(D, 4), None, layout)
     with pytest.raises(ValueError, match="context slots must be a root path"):
         tree_scan_layout(torch.tensor([1, 3, 3]), conv_kernel=4, context=2)
