@@ -72,7 +72,7 @@ def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
     return np.asarray(bounds, np.int64)
 
 
-def slot_parents(forest: TokenForest) -> np.ndarray:
+def _slot_parents(forest: TokenForest) -> np.ndarray:
     """The parent slot of every slot, -1 for roots: int64 ``[G]``."""
     parent = np.arange(forest.num_tokens, dtype=np.int64) - 1
     up = forest.node_parent
@@ -110,7 +110,7 @@ def build_chunks(
     chunk_of_entry = np.searchsorted(starts, paths, side="right") - 1
 
     # Parents of slots in a later chunk (ascending): what recurrent layers carry across chunks.
-    parent = slot_parents(forest)
+    parent = _slot_parents(forest)
     chunk_of_slot = np.searchsorted(starts, np.arange(forest.num_tokens), side="right") - 1
     has_parent = parent >= 0
     crossing = has_parent & (chunk_of_slot[np.maximum(parent, 0)] != chunk_of_slot)

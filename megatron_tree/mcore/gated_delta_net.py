@@ -11,9 +11,9 @@ heads per TP rank, dk / dv = their head dims, K = conv kernel width.
 laid out before it; the scan layout is built once per micro-batch and cached on the mask's memory (shared by
 the layers and by activation recompute, as the tree attention's prepared mask is). A chunk of a tree larger
 than a micro-batch starts the slots hanging from earlier chunks from the recurrent states and conv windows
-those chunks ended with there, and keeps its own for later chunks (:mod:`megatron_tree.mcore.chunk_context`). Given no mask (or a boolean
-one, which megatron-core's layer ignores too) each row is one causal sequence (``chunk_gated_delta_rule``):
-the flat reference. Computes on CPU without flash-linear-attention (the ops pick their kernels).
+those chunks ended with there, and keeps its own for later chunks (:mod:`megatron_tree.mcore.chunk_context`).
+Given no mask (or a boolean one, which megatron-core's layer ignores too) each row is one causal sequence
+(``chunk_gated_delta_rule``): the flat reference. Computes on CPU without flash-linear-attention (the ops pick their kernels).
 
 Per value head (GQA-like: key head ``i // (Hv / Hk)`` serves value head i)::
 

@@ -207,6 +207,16 @@ def test_tree_blind_gated_delta_net_is_caught(checkpoints, forest, hf):
     assert bad > 1e-3
 
 
+def test_tree_mask_of_another_length_is_refused(checkpoints):
+    """The mask must cover the hidden states' slots (behind a chunk's context, which a plain call has none of)."""
+    model = build_model(checkpoints["qwen3_5"], tree=True)[0]
+    layer = next(m for m in model.modules() if isinstance(m, TreeGatedDeltaNet))
+    hidden = torch.zeros(5, 1, model.config.hidden_size)
+    with pytest.raises(ValueError, match=r"must be \[1, C \+ s\] = \[1, 5\] \(C = 0 context slots of a chunk\).*"
+                                         r"got mask \(1, 4\)"):
+        layer(hidden, torch.arange(1, 5, dtype=torch.int32)[None])
+
+
 def test_megatron_gated_delta_net_is_refused(checkpoints):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
