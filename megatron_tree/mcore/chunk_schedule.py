@@ -106,6 +106,7 @@ def run_chunked_tree(
         links.append(ChunkLink(context=context, export_slots=mb.export_slots,
                                **({} if info is None else _recurrent_link(info, links, mask.device))))
         masks.append(mask)
+        _HELD.append(mask)
         register_chunk_link(mask, links[-1])
         output = forward(mb, mask)
         loss_func = loss_func_for(mb)
@@ -124,7 +125,6 @@ def run_chunked_tree(
             backward(stack.pop())
     while len(stack) > 1:
         backward(stack.pop())
-    _FIRST.append(masks[0])
     output, first = root
 
     def loss_func(output: torch.Tensor, non_loss_data: bool = False):
@@ -136,14 +136,16 @@ def run_chunked_tree(
     return output, loss_func
 
 
-_FIRST: list[torch.Tensor] = []
-"""Masks of the first chunks whose links outlive :func:`run_chunked_tree` (megatron-core runs their backward)."""
+_HELD: list[torch.Tensor] = []
+"""Masks of the chunks registered since the last :func:`release_chunks`: the first chunk's link outlives
+:func:`run_chunked_tree` (megatron-core runs its backward), and a step that raised leaves the others'."""
 
 
 def release_chunks() -> None:
-    """Drop the first chunks' links (and kept keys and values): call once their backwards have run."""
-    while _FIRST:
-        drop_chunk_link(_FIRST.pop())
+    """Drop the first chunks' links (and kept keys, values and states), and those a failed step left: call once
+    their backwards have run."""
+    while _HELD:
+        drop_chunk_link(_HELD.pop())
 
 
 def _recurrent_link(info: TreeChunk, links: list[ChunkLink], device: torch.device) -> dict:
