@@ -1,7 +1,9 @@
 """Keys and values that the chunks of one tree share across micro-batches (:mod:`megatron_tree.core.chunks`).
 
 Shape legend: s = a chunk's slots, C = its context slots, E = its exported slots, b = batch (1),
-ng = key/value heads per TP rank, hn / hv = key / value head dims.
+ng = key/value heads per TP rank, hn / hv = key / value head dims; recurrent layers: Q = the chunk's state exports,
+R = its carried states, Hv = value heads per TP rank, dk / dv = their head dims, K = conv width, D = conv channels
+per TP rank.
 
 In every tree attention layer a chunk (run with ``attention_mask = mb.context_mask``, int ``[1, C + s]``)
 
@@ -15,7 +17,7 @@ In every tree attention layer a chunk (run with ``attention_mask = mb.context_ma
 * attends with ``[context keys | own keys]``: the context read from the earlier chunks' leaves.
 
 In every Gated DeltaNet layer likewise a chunk keeps, at its state exports (``TreeChunk.state_exports``: the
-parents of later chunks' slots), the recurrent states ``[Q, Hv, dk, dv]`` and conv windows ``[Q, K-1, C]``
+parents of later chunks' slots), the recurrent states ``[Q, Hv, dk, dv]`` and conv windows ``[Q, K-1, D]``
 as leaves (its output passes through :class:`_AddLeafGrads`), and starts the slots hanging from its carried
 context slots (``TreeChunk.carried``) from the earlier chunks' leaves (:meth:`ChunkLink.carried_recurrent`).
 
@@ -60,7 +62,7 @@ class ChunkLink:
     carried       ``[(the source chunk's store, rows LongTensor [R_s])]``, root first: the recurrent states and
                   windows the chunk's slots hanging from its context start from (rows of the sources' kept ones).
     store         layer number -> leaves filled by the forward: ``(key [E, b, ng, hn], value [E, b, ng, hv])``
-                  in an attention layer, ``(windows [Q, K-1, C], states [Q, Hv, dk, dv])`` in a recurrent one.
+                  in an attention layer, ``(windows [Q, K-1, D], states [Q, Hv, dk, dv])`` in a recurrent one.
     """
 
     context: list[tuple[dict[int, tuple[torch.Tensor, ...]], int]]
@@ -93,7 +95,7 @@ class ChunkLink:
         return key, value
 
     def carried_recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Recurrent layer ``layer``'s ``(windows [R, K-1, C], states [R, Hv, dk, dv])`` that the chunk's slots
+        """Recurrent layer ``layer``'s ``(windows [R, K-1, D], states [R, Hv, dk, dv])`` that the chunk's slots
         hanging from its context start from, root first; None when none does."""
         if not self.carried:
             return None

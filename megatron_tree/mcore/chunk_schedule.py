@@ -18,7 +18,7 @@ normalisation is exact). Forward-only, chunks are dropped as soon as their reade
 Memory: the stack holds the chunks whose readers are still to come, each with its graph (under full
 activation recompute only its layer inputs, ``[T, h]`` per layer) and its exported keys and values
 (``E x 2 x ng x hn`` per attention layer, E <= its depth) plus their gradients; in a Gated DeltaNet layer the
-recurrent states and conv windows at its state exports (``Q x (Hv x dk x dv + (K - 1) x C)``, Q the parents of
+recurrent states and conv windows at its state exports (``Q x (Hv x dk x dv + (K - 1) x D)``, Q the parents of
 later chunks' slots: one for a chain, one per branch point that later chunks hang from); beyond the stack, one chunk's
 activations. A chain (one long sequence) keeps every chunk until the end; a prompt with many
 samples keeps the prompt's chunks and one sample's.
