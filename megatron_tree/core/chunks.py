@@ -22,6 +22,12 @@ subtree ends and the own slots' (both clipped to the chunk's end, shifted by C):
 Backward order: chunk c's exported keys and values receive gradients from every chunk that reads
 them, the chunks starting before the end of c's shallowest exported slot's subtree
 (``TreeChunk.last_reader``); c's backward runs after theirs.
+
+Recurrent layers (Gated DeltaNet) read no keys but a state at the parent of each slot whose parent lies in
+an earlier chunk. Those parents are exported slots of their chunk (``TreeChunk.state_exports``: in the
+example, c is the parent of d and b of e, so chunk 0 keeps its state at b and c), and each chunk lists the
+ones its own slots hang from (``TreeChunk.carried``: chunk 1 carries chunk 0's b and c). The states there
+are read by chunks that read the context anyway, so ``last_reader`` orders their backwards too.
 """
 
 from __future__ import annotations
@@ -66,6 +72,14 @@ def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
     return np.asarray(bounds, np.int64)
 
 
+def _slot_parents(forest: TokenForest) -> np.ndarray:
+    """The parent slot of every slot, -1 for roots: int64 ``[G]``."""
+    parent = np.arange(forest.num_tokens, dtype=np.int64) - 1
+    up = forest.node_parent
+    parent[forest.node_start] = np.where(up >= 0, forest.node_start[up] + forest.node_len[up] - 1, -1)
+    return parent
+
+
 def build_chunks(
     seqs: list[np.ndarray],
     ids: list[int],
@@ -95,6 +109,14 @@ def build_chunks(
     labels = np.roll(flat, -1)  # valid where not is_last
     chunk_of_entry = np.searchsorted(starts, paths, side="right") - 1
 
+    # Parents of slots in a later chunk (ascending): what recurrent layers carry across chunks.
+    parent = _slot_parents(forest)
+    chunk_of_slot = np.searchsorted(starts, np.arange(forest.num_tokens), side="right") - 1
+    has_parent = parent >= 0
+    crossing = has_parent & (chunk_of_slot[np.maximum(parent, 0)] != chunk_of_slot)
+    carried_slots = np.unique(parent[crossing])
+    first_carried = np.searchsorted(carried_slots, bounds)  # chunk c's are carried_slots[first[c]:first[c + 1]]
+
     exports: list[np.ndarray] = []
     out = []
     for c in range(k):
@@ -109,8 +131,13 @@ def build_chunks(
         last_reader = c if exp.size == 0 else int(np.searchsorted(starts, end[exp[0]], side="left")) - 1
         own_end = np.minimum(end[a:b], b) - a
         ctx_end = np.minimum(end[ctx], b) - a
+        hung_from = np.unique(parent[a:b][(parent[a:b] < a) & has_parent[a:b]])  # root first
+        from_chunk = chunk_of_slot[hung_from]
+        row = np.searchsorted(carried_slots, hung_from) - first_carried[from_chunk]
         chunk = TreeChunk(group=group, index=c, size=k, last_reader=last_reader,
-                          sources=tuple(zip(chunk_ids.tolist(), counts.tolist())))
+                          sources=tuple(zip(chunk_ids.tolist(), counts.tolist())),
+                          state_exports=tuple((carried_slots[first_carried[c] : first_carried[c + 1]] - a).tolist()),
+                          carried=tuple(zip(from_chunk.tolist(), row.tolist())))
         sel = chunk_of_entry == c
         out.append(_chunk_micro_batch(
             ids, tokens[a:b], depth[a:b], own_end, ctx.size + np.concatenate([ctx_end, own_end]), exp - a, chunk,

@@ -39,6 +39,11 @@ class TreeChunk:
                  chunk's exported slots (``export_slots``); ``sum(k) = C``.
     last_reader  the last chunk of the tree whose context holds some of this chunk's exported slots
                  (``index`` when none does): this chunk's backward must wait for that one's.
+    state_exports  own slots (ascending, a subset of the exported ones) that are the parent of a later chunk's
+                 slot: recurrent layers keep their state (and conv window) there for that chunk.
+    carried      the context slots that are the parent of one of this chunk's own slots, root first (distinct):
+                 ``(earlier chunk index, i)`` pairs, each the i-th of that chunk's ``state_exports``; recurrent
+                 layers start the own slots hanging from them from what that chunk kept.
     """
 
     group: int
@@ -46,6 +51,8 @@ class TreeChunk:
     size: int
     sources: tuple[tuple[int, int], ...]
     last_reader: int
+    state_exports: tuple[int, ...] = ()
+    carried: tuple[tuple[int, int], ...] = ()
 
     @property
     def context_len(self) -> int:

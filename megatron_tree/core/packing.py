@@ -81,8 +81,8 @@ def pack_trees(
         raise ValueError(
             f"sequence {i} has {int(lens[i])} tokens, more than max_tokens_per_mb={cap} "
             f"({too_long.size} sequence(s) too long in all); pack with MicroBatchSpec(chunk_trees=True) (the launcher's "
-            f"--chunk-trees: chunks that read their ancestors' keys and values; not for Gated DeltaNet models, pipeline "
-            f"or context parallel), raise max_tokens_per_mb to at least "
+            f"--chunk-trees: chunks that read their ancestors' keys and values or recurrent states; not under "
+            f"pipeline or context parallel), raise max_tokens_per_mb to at least "
             f"{int(lens.max())}, or truncate those sequences"
         )
     plan_cap = np.iinfo(np.int64).max if spec.chunk_trees else cap  # chunking: whole root trees are the items

@@ -6,14 +6,15 @@ Layer: torch and numpy only, imports :mod:`megatron_tree.core` at most (no Megat
 - :mod:`~megatron_tree.linear_attention.scan_layout`: :func:`tree_scan_layout` -> :class:`TreeScanLayout`
   (parents, conv ancestors, single-child segments, levels), once per micro-batch; :func:`packed_scan_layout`:
   the same for sequences packed in one row (THD ``cu_seqlens``), so the flat baseline runs the tree's kernels.
-- :mod:`~megatron_tree.linear_attention.causal_conv`: :func:`tree_causal_conv1d`.
+- :mod:`~megatron_tree.linear_attention.causal_conv`: :func:`tree_causal_conv1d`, :func:`tree_conv_windows` (what
+  a chunk of a larger tree hands the next).
 - :mod:`~megatron_tree.linear_attention.chunked_delta_rule`: :func:`chunk_gated_delta_rule` (fla's
   semantics; PyTorch chunked path, fla on CUDA).
 - :mod:`~megatron_tree.linear_attention.tree_delta_rule`: :func:`tree_gated_delta_rule`, one
   chunked call per level.
 """
 
-from megatron_tree.linear_attention.causal_conv import tree_causal_conv1d
+from megatron_tree.linear_attention.causal_conv import tree_causal_conv1d, tree_conv_windows
 from megatron_tree.linear_attention.chunked_delta_rule import chunk_gated_delta_rule
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout, packed_scan_layout, tree_scan_layout
 from megatron_tree.linear_attention.tree_delta_rule import tree_gated_delta_rule
@@ -23,6 +24,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "packed_scan_layout",
     "tree_causal_conv1d",
+    "tree_conv_windows",
     "tree_gated_delta_rule",
     "tree_scan_layout",
 ]

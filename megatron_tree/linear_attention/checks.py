@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_floating", "check_finite", "check_shape"]
+__all__ = ["check_carried", "check_floating", "check_finite", "check_shape"]
 
 
 def check_floating(**tensors: torch.Tensor | None) -> None:
@@ -23,6 +23,17 @@ def check_shape(name: str, x: torch.Tensor, expected: tuple[int | None, ...], me
     if x.ndim != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected)):
         want = ", ".join("*" if e is None else str(e) for e in expected)
         raise ValueError(f"{name} must be {meaning} = [{want}], got shape {tuple(x.shape)}")
+
+
+def check_carried(name: str, x: torch.Tensor | None, count: int, expected: tuple[int | None, ...], meaning: str) -> None:
+    """What a chunk's scan starts from: ``x`` must be None when the layout carries no state from the chunk's context
+    (``count`` R = 0), else of shape ``expected`` (``meaning`` names the dims, R first)."""
+    if (x is None) != (count == 0):
+        raise ValueError(f"the layout carries {count} states from a chunk's context, so {name} must be "
+                         f"{'None' if count == 0 else f'{meaning} with R = {count}'}, got "
+                         f"{None if x is None else tuple(x.shape)}")
+    if count:
+        check_shape(name, x, expected, meaning)
 
 
 def check_finite(**tensors: torch.Tensor | None) -> None:

@@ -21,6 +21,17 @@ The conv ancestors with K = 3 (two ancestors, farthest first; T = 7 marks "no an
     slot   a  b  c  d  e  f  p
     col 0  7  7  0  0  1  7  7
     col 1  7  0  1  1  3  7  7
+
+A *chunk* of a tree larger than a micro-batch (:mod:`megatron_tree.core.chunks`) comes as ``subtree_end``
+``[C + T]``: C context slots (the root path above its first slot, computed by earlier chunks) then its T own
+slots. Only the own slots are scanned. The R distinct context slots that own slots hang from are *carried*:
+the layer passes, per carried slot, the state the scan ended with there and its conv *window* (the K - 1 conv
+inputs a child reads: the slot and its K - 2 nearest ancestors, farthest first, zero above a root). Own
+slots hanging from one start from that state, and their conv reads the window's rows. Conversely the
+``state_exports`` (own slots whose state later chunks read) each end a segment, so the scan ends with their
+state; the layout says where (``level_exports``, ``export_order``) and which conv inputs form their window
+(``export_windows``). In the module docstring's example cut after ``b`` (context ``a b`` and own ``c d e f
+p``), ``c`` and ``d`` hang from the carried ``b``.
 """
 
 from __future__ import annotations
@@ -43,21 +54,34 @@ class TreeScanLayout:
 
     Built once per micro-batch by :func:`tree_scan_layout`, read by every recurrent layer (and recompute).
 
+    Slots are the T own slots (a chunk's context slots are not scanned); W = R * (K - 1) carried window rows,
+    Q = state exports (module docstring; R = Q = 0 for a whole micro-batch).
+
     Device tensors (on ``subtree_end``'s device; move with :meth:`to`), all int64:
-      parent            [T]       parent slot of each slot, -1 for roots (padding slots are roots).
+      parent            [T]       parent slot of each slot, -1 for roots and for slots hanging from the context
+                                  (padding slots are roots).
       conv_ancestors    [T, K-1]  column c holds the ancestor ``K - 1 - c`` steps up the root path
-                                  (farthest first, column K-2 = the parent), ``T`` where the path is shorter
-                                  (the index of a zero row appended to the input).
+                                  (farthest first, column K-2 = the parent) as a row of the conv's extended
+                                  input ``[W carried window rows | T slots | a zero row]``: ``W + slot`` for a
+                                  slot, ``(K - 1) r + c'`` for row c' of carried window r, ``W + T`` (the zero
+                                  row) where the path is shorter.
       level_slots       L x [T_l] the slots of level l's segments, segment after segment in slot order.
       level_cu_seqlens  L x [N_l+1] offsets of level l's segments in ``level_slots[l]`` (FlashAttention's
                                   ``cu_seqlens``).
       level_parent      L x [N_l] index of each segment's parent among level l-1's segments
-                                  (level 0: empty, its segments start from a zero state).
+                                  (level 0: empty, its segments start from a zero or a carried state).
+      root_carried      [N_0]     carried state each level-0 segment starts from, R for a zero state.
       scan_position     [T]       row of each slot in ``torch.cat(level_slots)``.
+      export_windows    [Q, K-1]  rows of the extended conv input that form each state export's window.
+      level_exports     L x [Q_l] the segments of level l (index among them) that end at a state export.
+      export_order      [Q]       row of each state export in ``torch.cat`` of the level picks.
 
     Host-side (numpy int64 / ints; reading them never syncs a device):
       num_slots         int       T.
       conv_kernel       int       K.
+      context_len       int       C.
+      carried_parents   [R]       context slot of each carried state, ascending (root first).
+      state_exports     [Q]       own slots whose state (and window) the scan hands out, ascending.
       segment_start     [S]       first slot of each segment, ascending.
       segment_len       [S]       slots of each segment.
       segment_parent    [S]       parent segment, -1 for a root segment.
@@ -70,9 +94,16 @@ class TreeScanLayout:
     level_slots: tuple[torch.Tensor, ...]
     level_cu_seqlens: tuple[torch.Tensor, ...]
     level_parent: tuple[torch.Tensor, ...]
+    root_carried: torch.Tensor
     scan_position: torch.Tensor
+    export_windows: torch.Tensor
+    level_exports: tuple[torch.Tensor, ...]
+    export_order: torch.Tensor
     num_slots: int
     conv_kernel: int
+    context_len: int
+    carried_parents: np.ndarray
+    state_exports: np.ndarray
     segment_start: np.ndarray
     segment_len: np.ndarray
     segment_parent: np.ndarray
@@ -83,6 +114,11 @@ class TreeScanLayout:
     def num_levels(self) -> int:
         """L: levels (the tree's depth in segments); a scan makes one batched call per level."""
         return len(self.level_lengths)
+
+    @property
+    def num_carried(self) -> int:
+        """R: carried states (and conv windows) the scan starts from."""
+        return self.carried_parents.shape[0]
 
     @property
     def device(self) -> torch.device:
@@ -100,13 +136,17 @@ class TreeScanLayout:
         return dataclasses.replace(self, **moved)
 
 
-def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int) -> TreeScanLayout:
-    """The :class:`TreeScanLayout` of ``subtree_end`` int [T] or [1, T] (the interval encoding: key j is
+def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int, context: int = 0,
+                     state_exports=()) -> TreeScanLayout:
+    """The :class:`TreeScanLayout` of ``subtree_end`` int [C + T] or [1, C + T] (the interval encoding: key j is
     visible to query i iff ``j <= i < subtree_end[j]``; a padding slot j has ``subtree_end[j] == j + 1``).
 
-    ``conv_kernel`` K >= 1 is the causal conv's width (Qwen3-Next: ``linear_conv_kernel_dim`` = 4).
-    Vectorised numpy on the host (one copy of ``subtree_end`` to the host per micro-batch), O(T log T),
-    plus a Python step per level. Raises ``ValueError`` for a vector that is not a DFS interval encoding.
+    ``conv_kernel`` K >= 1 is the causal conv's width (Qwen3-Next: ``linear_conv_kernel_dim`` = 4). ``context``
+    C >= 0: the first C slots are a chunk's context, a root path (module docstring); ``state_exports``: own slots
+    (ints in ``[0, T)``, ascending) whose state and conv window the scan hands out. Vectorised numpy on the host
+    (one copy of ``subtree_end`` to the host per micro-batch), O(T log T), plus a Python step per level. Raises
+    ``ValueError`` for a vector that is not a DFS interval encoding, a context that is not a root path, or bad
+    state exports.
     """
     if isinstance(conv_kernel, bool) or not isinstance(conv_kernel, int) or conv_kernel < 1:
         raise ValueError(f"conv_kernel must be an int >= 1 (the causal conv's width, HF linear_conv_kernel_dim), "
@@ -117,24 +157,52 @@ def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int) -> TreeScan
         raise ValueError(f"subtree_end must hold integers (int32 or int64), got dtype {subtree_end.dtype}")
     if not (subtree_end.ndim == 1 or (subtree_end.ndim == 2 and subtree_end.shape[0] == 1)) or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end must be [T] or [1, T] with T >= 1, got shape {tuple(subtree_end.shape)}")
+    total = subtree_end.numel()
+    if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context < total:
+        raise ValueError(f"context must be an int in [0, {total}) (the context slots in front of a chunk's own), "
+                         f"got {context!r}")
     device = subtree_end.device
     end = subtree_end.detach().reshape(-1).cpu().numpy().astype(np.int64)
-    t = end.shape[0]
-    slot = np.arange(t, dtype=np.int64)
-    bad = np.flatnonzero((end <= slot) | (end > t))
+    slot = np.arange(total, dtype=np.int64)
+    bad = np.flatnonzero((end <= slot) | (end > total))
     if bad.size:
         j = int(bad[0])
-        raise ValueError(f"subtree_end[{j}] = {int(end[j])} is outside ({j}, {t}]: every slot's subtree ends after "
-                         f"the slot and at most at T = {t} (a padding slot j has subtree_end[j] = j + 1)")
+        raise ValueError(f"subtree_end[{j}] = {int(end[j])} is outside ({j}, {total}]: every slot's subtree ends "
+                         f"after the slot and at most at T = {total} (a padding slot j has subtree_end[j] = j + 1)")
 
-    parent, depth = _parents(end)
-    conv_ancestors = _ancestors(parent, conv_kernel - 1)
+    full_parent, depth = _parents(end)
+    c = context
+    if c and not np.array_equal(depth[:c], np.arange(c)):
+        raise ValueError(f"the {c} context slots must be a root path (slot i at depth i), got depths "
+                         f"{depth[:c][:8].tolist()}...; pass the chunk's context_mask (TreeMicroBatch.context_mask)")
+    t = total - c
+    end, slot = end[c:] - c, slot[:t]
+    hung = full_parent[c:]
+    parent = np.where(hung >= c, hung - c, -1)
+    from_context = (hung >= 0) & (hung < c)
+    carried_parents = np.unique(hung[from_context])
+    exports = np.asarray(state_exports, np.int64).reshape(-1)
+    if exports.size and (exports[0] < 0 or exports[-1] >= t or np.any(np.diff(exports) <= 0)):
+        raise ValueError(f"state_exports must be ascending own slots in [0, {t}), got {exports[:8].tolist()}...; "
+                         f"pass TreeChunk.state_exports")
 
-    # segments: a slot starts one unless it is the only child of the slot before it
+    # conv: the carried windows are chains of K - 1 rows in front of the slots (row K - 2 = the carried slot)
+    k1 = conv_kernel - 1
+    w = carried_parents.shape[0] * k1
+    ext_parent = np.concatenate([np.where(np.arange(w) % max(k1, 1) > 0, np.arange(w) - 1, -1),
+                                 np.where(parent >= 0, parent + w, -1)])
+    if k1:
+        ext_parent[w + slot[from_context]] = np.searchsorted(carried_parents, hung[from_context]) * k1 + k1 - 1
+    ext_ancestors = _ancestors(ext_parent, k1)  # [W + T, K-1], W + T = the zero row
+    conv_ancestors = ext_ancestors[w:]
+    export_windows = np.concatenate([ext_ancestors[w + exports, 1:], w + exports[:, None]], 1)[:, :k1]
+
+    # segments: a slot starts one unless it is the only child of the slot before it, which is no state export
     children = np.bincount(parent[parent >= 0], minlength=t)
     prev = slot - 1
     starts_here = (parent != prev) | (children[np.maximum(prev, 0)] > 1)
     starts_here[0] = True
+    starts_here[exports[exports + 1 < t] + 1] = True
     segment_id = np.cumsum(starts_here) - 1
     segment_start = np.flatnonzero(starts_here)
     segment_len = np.diff(np.append(segment_start, t))
@@ -162,6 +230,18 @@ def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int) -> TreeScan
         level_lengths.append(tuple(lens.tolist()))
     scan_position = np.empty(t, np.int64)
     scan_position[np.concatenate(level_slots)] = slot
+    carried_of = np.full(t, carried_parents.shape[0], np.int64)
+    carried_of[from_context] = np.searchsorted(carried_parents, hung[from_context])
+    root_carried = carried_of[segment_start[by_level[: level_count[0]]]]
+
+    export_segment = segment_id[exports]
+    assert np.array_equal(segment_start[export_segment] + segment_len[export_segment] - 1, exports)
+    export_level = segment_level[export_segment]
+    export_by_level = np.argsort(export_level, kind="stable")
+    export_order = np.empty_like(export_by_level)
+    export_order[export_by_level] = np.arange(exports.shape[0])
+    level_exports = [rank_in_level[export_segment[export_by_level][export_level[export_by_level] == lev]]
+                     for lev in range(level_count.shape[0])]
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
@@ -172,9 +252,16 @@ def tree_scan_layout(subtree_end: torch.Tensor, *, conv_kernel: int) -> TreeScan
         level_slots=tuple(dev(a) for a in level_slots),
         level_cu_seqlens=tuple(dev(a) for a in level_cu),
         level_parent=tuple(dev(a) for a in level_parent),
+        root_carried=dev(root_carried),
         scan_position=dev(scan_position),
+        export_windows=dev(export_windows),
+        level_exports=tuple(dev(a) for a in level_exports),
+        export_order=dev(export_order),
         num_slots=t,
         conv_kernel=conv_kernel,
+        context_len=c,
+        carried_parents=carried_parents,
+        state_exports=exports,
         segment_start=segment_start,
         segment_len=segment_len,
         segment_parent=segment_parent,

@@ -1,18 +1,25 @@
 """Keys and values that the chunks of one tree share across micro-batches (:mod:`megatron_tree.core.chunks`).
 
 Shape legend: s = a chunk's slots, C = its context slots, E = its exported slots, b = batch (1),
-ng = key/value heads per TP rank, hn / hv = key / value head dims.
+ng = key/value heads per TP rank, hn / hv = key / value head dims; recurrent layers: Q = the chunk's state exports,
+R = its carried states, Hv = value heads per TP rank, dk / dv = their head dims, K = conv width, D = conv channels
+per TP rank.
 
 In every tree attention layer a chunk (run with ``attention_mask = mb.context_mask``, int ``[1, C + s]``)
 
 * keeps its exported slots' keys and values (post-RoPE, as attention reads them) as *leaf* tensors
   ``[E, b, ng, hn]`` that require grad, one pair per layer: the chunks after it read them as context,
   and their backwards accumulate ``dK`` / ``dV`` into the leaves' ``.grad``;
-* passes its own keys and values through :class:`_AddContextGrad`, an identity whose backward adds
-  those accumulated gradients at the exported slots: the chunk's backward, which the chunk driver
+* passes its own keys through :class:`_AddLeafGrads`, an identity whose backward hands the exported rows
+  of the keys and values those accumulated gradients: the chunk's backward, which the chunk driver
   (:mod:`megatron_tree.mcore.chunk_schedule`) runs after every reader's backward, carries them on into
   the layers below, once;
 * attends with ``[context keys | own keys]``: the context read from the earlier chunks' leaves.
+
+In every Gated DeltaNet layer likewise a chunk keeps, at its state exports (``TreeChunk.state_exports``: the
+parents of later chunks' slots), the recurrent states ``[Q, Hv, dk, dv]`` and conv windows ``[Q, K-1, D]``
+as leaves (its output passes through :class:`_AddLeafGrads`), and starts the slots hanging from its carried
+context slots (``TreeChunk.carried``) from the earlier chunks' leaves (:meth:`ChunkLink.carried_recurrent`).
 
 A chunk finds its :class:`ChunkLink` by the storage of the mask it is run with (weakly): the mask reaches
 every attention layer in the forward and again in activation recompute, full or selective (recompute
@@ -30,56 +37,70 @@ import torch
 __all__ = ["ChunkLink", "chunk_link", "drop_chunk_link", "register_chunk_link"]
 
 
-class _AddContextGrad(torch.autograd.Function):
-    """Identity on ``x [s, ...]`` whose backward adds ``leaf.grad [E, ...]`` (read then) at rows ``slots [E]``."""
+class _AddLeafGrads(torch.autograd.Function):
+    """``forward(out, x_1..x_n, leaf_1..leaf_n)``: identity on ``out``, whose backward hands each kept tensor
+    ``x_i`` the gradient its detached copy ``leaf_i`` accumulated (``leaf_i.grad``, read then; None when no
+    later chunk read it in a backward)."""
 
     @staticmethod
-    def forward(ctx, x, leaf, slots):
-        ctx.leaf = leaf
-        ctx.save_for_backward(slots)
-        return x.view_as(x)
+    def forward(ctx, out, *kept):
+        ctx.leaves = kept[len(kept) // 2 :]
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        (slots,) = ctx.saved_tensors
-        extra = ctx.leaf.grad
-        if extra is None:  # no later chunk read these slots in a backward (forward-only readers)
-            return grad, None, None
-        return grad.index_add(0, slots, extra.to(grad.dtype)), None, None
+        return (grad, *(leaf.grad for leaf in ctx.leaves), *(None for _ in ctx.leaves))
 
 
 @dataclass(eq=False)
 class ChunkLink:
-    """What one chunk's attention layers read and keep.
+    """What one chunk's attention and recurrent layers read and keep.
 
     context       ``[(the source chunk's store, k)]``, root first: the first k exported rows of each.
     export_slots  LongTensor ``[E]`` on the model's device, or None: the chunk's own slots later chunks read.
-    store         layer number -> ``(key [E, b, ng, hn], value [E, b, ng, hv])`` leaves, filled by the forward.
+    state_exports host ints ``(Q)``: own slots whose recurrent state and conv window later chunks read.
+    carried       ``[(the source chunk's store, rows LongTensor [R_s])]``, root first: the recurrent states and
+                  windows the chunk's slots hanging from its context start from (rows of the sources' kept ones).
+    store         layer number -> leaves filled by the forward: ``(key [E, b, ng, hn], value [E, b, ng, hv])``
+                  in an attention layer, ``(windows [Q, K-1, D], states [Q, Hv, dk, dv])`` in a recurrent one.
     """
 
-    context: list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], int]]
+    context: list[tuple[dict[int, tuple[torch.Tensor, ...]], int]]
     export_slots: torch.Tensor | None
-    store: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    state_exports: tuple[int, ...] = ()
+    carried: list[tuple[dict[int, tuple[torch.Tensor, ...]], torch.Tensor]] = field(default_factory=list)
+    store: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @property
     def context_len(self) -> int:
         return sum(k for _, k in self.context)
 
+    def keep(self, layer: int, out: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
+        """Keep detached copies of ``kept`` as layer ``layer``'s leaves (the first forward makes them; a recompute
+        finds them) and return ``out`` tied to them: its backward hands ``kept`` the gradients the leaves
+        accumulated (:class:`_AddLeafGrads`)."""
+        if layer not in self.store:
+            self.store[layer] = tuple(x.detach().requires_grad_() for x in kept)
+        if not torch.is_grad_enabled():
+            return out
+        return _AddLeafGrads.apply(out, *kept, *self.store[layer])
+
     def keys_and_values(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s ``(key, value)`` to attend with: ``[C + s, ...]``, the context first (module docstring)."""
         if self.export_slots is not None:
-            if layer not in self.store:  # the first forward; a recompute finds the leaves it made
-                self.store[layer] = tuple(
-                    x.detach().index_select(0, self.export_slots).requires_grad_() for x in (key, value)
-                )
-            leaf_k, leaf_v = self.store[layer]
-            if torch.is_grad_enabled():
-                key = _AddContextGrad.apply(key, leaf_k, self.export_slots)
-                value = _AddContextGrad.apply(value, leaf_v, self.export_slots)
+            key = self.keep(layer, key, key.index_select(0, self.export_slots), value.index_select(0, self.export_slots))
         if self.context:
             key = torch.cat([*(store[layer][0][:k] for store, k in self.context), key])
             value = torch.cat([*(store[layer][1][:k] for store, k in self.context), value])
         return key, value
+
+    def carried_recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Recurrent layer ``layer``'s ``(windows [R, K-1, D], states [R, Hv, dk, dv])`` that the chunk's slots
+        hanging from its context start from, root first; None when none does."""
+        if not self.carried:
+            return None
+        windows, states = zip(*((store[layer][0][rows], store[layer][1][rows]) for store, rows in self.carried))
+        return torch.cat(windows), torch.cat(states)
 
 
 _LINKS: "weakref.WeakKeyDictionary[torch.UntypedStorage, ChunkLink]" = weakref.WeakKeyDictionary()

@@ -17,7 +17,9 @@ normalisation is exact). Forward-only, chunks are dropped as soon as their reade
 
 Memory: the stack holds the chunks whose readers are still to come, each with its graph (under full
 activation recompute only its layer inputs, ``[T, h]`` per layer) and its exported keys and values
-(``E x 2 x ng x hn`` per layer, E <= its depth) plus their gradients; beyond the stack, one chunk's
+(``E x 2 x ng x hn`` per attention layer, E <= its depth) plus their gradients; in a Gated DeltaNet layer the
+recurrent states and conv windows at its state exports (``Q x (Hv x dk x dv + (K - 1) x D)``, Q the parents of
+later chunks' slots: one for a chain, one per branch point that later chunks hang from); beyond the stack, one chunk's
 activations. A chain (one long sequence) keeps every chunk until the end; a prompt with many
 samples keeps the prompt's chunks and one sample's.
 
@@ -30,12 +32,13 @@ stack is the whole tree.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from megatron_tree.core.microbatch import TreeMicroBatch
+from megatron_tree.core.microbatch import TreeChunk, TreeMicroBatch
 from megatron_tree.mcore.chunk_context import ChunkLink, drop_chunk_link, register_chunk_link
 
 __all__ = ["ChunkedTree", "release_chunks", "run_chunked_tree", "schedule_steps"]
@@ -105,8 +108,10 @@ def run_chunked_tree(
         info = mb.chunk
         context = [] if info is None else [(links[s].store, k) for s, k in info.sources]
         mask = mb.attention_mask if mb.context_mask is None else mb.context_mask
-        links.append(ChunkLink(context=context, export_slots=mb.export_slots))
+        links.append(ChunkLink(context=context, export_slots=mb.export_slots,
+                               **({} if info is None else _recurrent_link(info, links, mask.device))))
         masks.append(mask)
+        _HELD.append(mask)
         register_chunk_link(mask, links[-1])
         with torch.profiler.record_function(FORWARD_RANGE):
             output = forward(mb, mask)
@@ -126,7 +131,6 @@ def run_chunked_tree(
             backward(stack.pop())
     while len(stack) > 1:
         backward(stack.pop())
-    _FIRST.append(masks[0])
     output, first = root
 
     def loss_func(output: torch.Tensor, non_loss_data: bool = False):
@@ -138,14 +142,25 @@ def run_chunked_tree(
     return output, loss_func
 
 
-_FIRST: list[torch.Tensor] = []
-"""Masks of the first chunks whose links outlive :func:`run_chunked_tree` (megatron-core runs their backward)."""
+_HELD: list[torch.Tensor] = []
+"""Masks of the chunks registered since the last :func:`release_chunks`: the first chunk's link outlives
+:func:`run_chunked_tree` (megatron-core runs its backward), and a step that raised leaves the others'."""
 
 
 def release_chunks() -> None:
-    """Drop the first chunks' links (and kept keys and values): call once their backwards have run."""
-    while _FIRST:
-        drop_chunk_link(_FIRST.pop())
+    """Drop the first chunks' links (and kept keys, values and states), and those a failed step left: call once
+    their backwards have run."""
+    while _HELD:
+        drop_chunk_link(_HELD.pop())
+
+
+def _recurrent_link(info: TreeChunk, links: list[ChunkLink], device: torch.device) -> dict:
+    """A chunk's ``ChunkLink`` fields for recurrent layers: its state exports, and its carried states as
+    ``(source store, rows)`` per source chunk (``info.carried`` is root first, so each source's rows are
+    consecutive)."""
+    carried = [(links[s].store, torch.tensor([row for _, row in rows], device=device))
+               for s, rows in itertools.groupby(info.carried, key=lambda pair: pair[0])]
+    return {"state_exports": info.state_exports, "carried": carried}
 
 
 def _readers_done(mb: TreeMicroBatch, current: int) -> bool:

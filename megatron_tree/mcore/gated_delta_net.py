@@ -9,13 +9,15 @@ heads per TP rank, dk / dv = their head dims, K = conv kernel width.
 (int ``[1, s]``), each slot's causal conv window and its recurrent state come from its root path
 (:func:`megatron_tree.linear_attention.tree_causal_conv1d` / ``tree_gated_delta_rule``), not from the slots
 laid out before it; the scan layout is built once per micro-batch and cached on the mask's memory (shared by
-the layers and by activation recompute, as the tree attention's prepared mask is). Given THD
-``packed_seq_params`` (Megatron's sequence packing, the flat baseline: batch 1, sequence n in slots
+the layers and by activation recompute, as the tree attention's prepared mask is). A chunk of a tree larger
+than a micro-batch starts the slots hanging from earlier chunks from the recurrent states and conv windows
+those chunks ended with there, and keeps its own for later chunks (:mod:`megatron_tree.mcore.chunk_context`).
+Given THD ``packed_seq_params`` (Megatron's sequence packing, the flat baseline: batch 1, sequence n in slots
 ``[cu_seqlens_q[n], cu_seqlens_q[n+1])``) each sequence runs alone, its conv window and state starting at its first
 slot, on the same kernels as a tree (:func:`megatron_tree.linear_attention.packed_scan_layout`: each sequence a chain;
 cached on ``cu_seqlens_q``'s memory). Given no mask (or a boolean one, which megatron-core's layer ignores too) each
-row is one causal sequence (``chunk_gated_delta_rule``). Computes on CPU without flash-linear-attention (the ops pick
-their kernels).
+row is one causal sequence (``chunk_gated_delta_rule``): the flat reference. Computes on CPU without
+flash-linear-attention (the ops pick their kernels).
 
 Per value head (GQA-like: key head ``i // (Hv / Hk)`` serves value head i)::
 
@@ -44,11 +46,12 @@ from megatron_tree.linear_attention import (
     chunk_gated_delta_rule,
     packed_scan_layout,
     tree_causal_conv1d,
+    tree_conv_windows,
     tree_gated_delta_rule,
     tree_scan_layout,
 )
 
-__all__ = ["TreeGatedDeltaNet", "check_gated_delta_net_config", "has_gated_delta_net"]
+__all__ = ["TreeGatedDeltaNet", "check_gated_delta_net_config"]
 
 _L2NORM_EPS = 1e-6  # flash-linear-attention's and Hugging Face's l2norm
 
@@ -74,13 +77,17 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def _scan_layout_preparer(conv_kernel: int) -> TreeAttentionBackend:
     """A cache key for :data:`~megatron_tree.attention.dispatch.PREPARED_MASKS` whose ``prepare`` builds the
-    micro-batch's scan layout (the tree attention's prepared masks and it share one per-micro-batch cache)."""
+    micro-batch's scan layout (the tree attention's prepared masks and it share one per-micro-batch cache); for a
+    chunk (``query_slots``: its own slots behind the context) with the state exports of the mask's chunk link."""
 
     def refuse(*args, **kwargs):
         raise TypeError("the Gated DeltaNet scan layout is not a tree attention backend")
 
-    def prepare(subtree_end: torch.Tensor):
-        return tree_scan_layout(subtree_end[0], conv_kernel=conv_kernel)
+    def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None):
+        link = chunk_link(subtree_end)
+        return tree_scan_layout(subtree_end[0], conv_kernel=conv_kernel,
+                                context=0 if query_slots is None else subtree_end.shape[1] - query_slots.shape[0],
+                                state_exports=() if link is None else link.state_exports)
 
     return TreeAttentionBackend(name=f"gdn-scan-k{conv_kernel}", prepare=prepare, attend=refuse, refusal=refuse)
 
@@ -205,19 +212,21 @@ class TreeGatedDeltaNet(MegatronModule):
         packed = None if packed_seq_params is None else self._packed_layout(packed_seq_params, tree, s, b)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         if tree:
-            if chunk_link(attention_mask) is not None:
+            # A chunk of a tree larger than a micro-batch (megatron_tree.mcore.chunk_context): its mask has its
+            # context in front; slots hanging from the context start from the states and conv windows earlier
+            # chunks kept, and the chunk keeps those at its own state exports.
+            link = chunk_link(attention_mask)
+            context = 0 if link is None else link.context_len
+            if b != 1 or tuple(attention_mask.shape) != (1, context + s):
                 raise ValueError(
-                    "Gated DeltaNet layers do not carry their recurrent state and conv window across the chunks of a "
-                    "tree larger than a micro-batch yet; raise max_tokens_per_mb to the largest tree (--max-tokens-per-mb), "
-                    "or pack with chunk_trees=False (--no-chunk-trees) so prefix groups are split instead"
+                    f"a tree attention_mask must be [1, C + s] = [1, {context + s}] (C = {context} context slots of a "
+                    f"chunk) with hidden states of batch 1, got mask {tuple(attention_mask.shape)} and batch {b}"
                 )
-            if b != 1 or tuple(attention_mask.shape) != (1, s):
-                raise ValueError(
-                    f"a tree attention_mask must be [1, s] = [1, {s}] with hidden states of batch 1, got mask "
-                    f"{tuple(attention_mask.shape)} and batch {b}"
-                )
-            layout = PREPARED_MASKS.get(_scan_layout_preparer(self.conv_kernel_dim), attention_mask)
-            qkv = tree_causal_conv1d(qkv[0], weight, self.conv1d.bias, layout)[None]  # [1, s, C]
+            layout = PREPARED_MASKS.get(_scan_layout_preparer(self.conv_kernel_dim), attention_mask, context=context)
+            carried = None if link is None else link.carried_recurrent(self.layer_number)
+            windows, states = (None, None) if carried is None else carried
+            conv_input = qkv[0]
+            qkv = tree_causal_conv1d(conv_input, weight, self.conv1d.bias, layout, windows)[None]  # [1, s, C]
         elif packed is not None:
             qkv = tree_causal_conv1d(qkv[0], weight, self.conv1d.bias, packed)[None]
         else:
@@ -236,8 +245,12 @@ class TreeGatedDeltaNet(MegatronModule):
             key = key.repeat_interleave(group, dim=2)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, Hv]
         beta = beta.sigmoid()
-        if tree:
-            out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], layout)[None]
+        if tree and layout.state_exports.size:
+            out, kept = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], layout, initial_states=states,
+                                              output_states=True)
+            out = link.keep(self.layer_number, out, tree_conv_windows(conv_input, layout, windows), kept)[None]
+        elif tree:
+            out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], layout, initial_states=states)[None]
         elif packed is not None:
             out = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], packed)[None]
         else:
@@ -274,9 +287,3 @@ class TreeGatedDeltaNet(MegatronModule):
         y = self.out_norm(x.reshape(-1, x.shape[-1])) * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
         return y.to(x.dtype).reshape(x.shape)
 
-
-def has_gated_delta_net(model: torch.nn.Module | list[torch.nn.Module]) -> bool:
-    """Whether any chunk of ``model`` has a :class:`TreeGatedDeltaNet` layer (their state does not cross the chunks
-    of a tree larger than a micro-batch)."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    return any(isinstance(m, TreeGatedDeltaNet) for chunk in chunks for m in chunk.modules())

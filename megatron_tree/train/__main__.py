@@ -94,8 +94,8 @@ MEGATRON_NAMES = {  # Megatron-LM's names of our flags, accepted as aliases
 MICRO_BATCH_HELP = {
     "max_tokens_per_mb": ("capacity of a micro-batch in unique (tree) tokens", 1024),
     "packing_algorithm": ("packing of trees into micro-batches: ffd (first-fit decreasing) | kk (Karmarkar-Karp)", "ffd"),
-    "chunk_trees": ("a tree larger than a micro-batch runs in chunks that read their ancestors' keys and values (every "
-                    "token computed once, any sequence length; pipeline and context parallel size 1, else off)", True),
+    "chunk_trees": ("a tree larger than a micro-batch runs in chunks that read their ancestors' keys and values or "
+                    "recurrent states (every token computed once, any sequence length; pipeline and context parallel size 1, else off)", True),
 }
 
 

@@ -39,7 +39,6 @@ from megatron_tree import (
     pack_vision_trees,
 )
 from megatron_tree.mcore.data_parallel import describe, sync_params
-from megatron_tree.mcore.gated_delta_net import has_gated_delta_net
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
 from megatron_tree.train.config import ParallelConfig, RunConfig, TrainConfig
@@ -422,10 +421,6 @@ class Trainer:
         if mb.chunk_trees and not chunk:
             self._info("micro_batch.chunk_trees is off: chunks run with pipeline and context parallel size 1 and the "
                        "tree model only; a tree larger than a micro-batch is split with its shared path recomputed")
-        elif chunk and has_gated_delta_net(self.model):
-            chunk = False
-            self._info("micro_batch.chunk_trees is off: Gated DeltaNet layers do not carry their state across the "
-                       "chunks of a tree yet; a tree larger than a micro-batch is split with its shared path recomputed")
         self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor),
                                        chunk_trees=chunk)
         self.source = open_rollout_source(

@@ -51,8 +51,9 @@ def check_chunked(seqs, mbs, spec):
 
 
 def check_group(chunks):
-    """A chunked tree's bookkeeping: indices in order, each context a prefix of earlier chunks' exports, and
-    ``last_reader`` the last chunk that reads any of it (its backward must come after that one's)."""
+    """A chunked tree's bookkeeping: indices in order, each context a prefix of earlier chunks' exports,
+    ``last_reader`` the last chunk that reads any of it (its backward must come after that one's), and the recurrent
+    states carried across chunks."""
     assert [c.chunk.index for c in chunks] == list(range(chunks[0].chunk.size))
     readers = {i: [] for i in range(len(chunks))}
     for i, c in enumerate(chunks):
@@ -62,6 +63,25 @@ def check_group(chunks):
             readers[src].append(i)
     for i, c in enumerate(chunks):
         assert c.chunk.last_reader == max(readers[i] + [i])
+    check_recurrent(chunks)
+
+
+def check_recurrent(chunks):
+    """``carried``: per chunk, the distinct context slots its own slots hang from (root first), each as (source chunk,
+    row of the source's ``state_exports``); every state export is an exported slot some later chunk carries."""
+    carried = set()
+    for c in chunks:
+        info, end = c.chunk, c.context_mask[0].numpy()
+        own = np.arange(info.context_len, end.shape[0])
+        parent = [max((j for j in range(i) if end[j] > i), default=-1) for i in own]
+        hung = sorted({p for p in parent if 0 <= p < info.context_len})  # context indices
+        where = [(src, e) for src, k in info.sources for e in range(k)]  # context index -> (source, export position)
+        want = [(where[p][0], int(chunks[where[p][0]].export_slots[where[p][1]])) for p in hung]
+        assert [(src, chunks[src].chunk.state_exports[row]) for src, row in info.carried] == want
+        carried |= set(want)
+    exported = {(i, s) for i, c in enumerate(chunks) for s in c.chunk.state_exports}
+    assert exported == carried
+    assert all(set(c.chunk.state_exports) <= set(c.export_slots.tolist()) for c in chunks if c.chunk.state_exports)
 
 
 @settings(max_examples=80, deadline=None)
@@ -111,6 +131,14 @@ def test_context_masks_give_each_query_its_ancestors(seqs, cap):
             outside = before[~torch.isin(before, glob)]
             assert not bool(whole[glob[len(ctx) :]][:, outside].any())
             assert torch.equal(c.position_ids[0, : c.num_tokens], torch.from_numpy(forest.depth[starts[i] : starts[i + 1]]))
+
+
+def test_recurrent_states_of_the_docstring_example():
+    """``a b c | d e f`` (``megatron_tree.core.chunks``): chunk 0 keeps its states at b and c, chunk 1 carries both."""
+    seqs = [np.array([1, 2, 3, 4]), np.array([1, 2, 5, 6])]
+    first, second = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=3, chunk_trees=True))
+    assert first.chunk.state_exports == (1, 2) and first.chunk.carried == ()
+    assert second.chunk.state_exports == () and second.chunk.carried == ((0, 0), (0, 1))
 
 
 def test_a_sequence_longer_than_a_micro_batch_is_refused_without_chunks():

@@ -10,7 +10,8 @@ built (Hugging Face reference: ``…ForConditionalGeneration`` on text-only inpu
 - ``export_weights`` gives back the checkpoint's tensors under its names (GDN in_proj / conv layouts, the gated
   q_proj, out_norm's ``w - 1``; of a multimodal checkpoint exactly its language model's), and a model that ignores
   the tree in its GDN layers is caught;
-- TP=2, PP=2 and EP=2 over gloo (tests/scripts/gdn_parity_dist.py); context parallel is refused.
+- TP=2, PP=2 and EP=2 over gloo (tests/scripts/gdn_parity_dist.py), and TP=2 on trees larger than a micro-batch
+  (chunks carrying the recurrent states); context parallel is refused.
 
 The forest (``recurrent_forest``) has siblings, strict prefixes, a branch at every depth of a chain and a
 chain longer than one 64-token chunk of the scan.
@@ -206,6 +207,16 @@ def test_tree_blind_gated_delta_net_is_caught(checkpoints, forest, hf):
     assert bad > 1e-3
 
 
+def test_tree_mask_of_another_length_is_refused(checkpoints):
+    """The mask must cover the hidden states' slots (behind a chunk's context, which a plain call has none of)."""
+    model = build_model(checkpoints["qwen3_5"], tree=True)[0]
+    layer = next(m for m in model.modules() if isinstance(m, TreeGatedDeltaNet))
+    hidden = torch.zeros(5, 1, model.config.hidden_size)
+    with pytest.raises(ValueError, match=r"must be \[1, C \+ s\] = \[1, 5\] \(C = 0 context slots of a chunk\).*"
+                                         r"got mask \(1, 4\)"):
+        layer(hidden, torch.arange(1, 5, dtype=torch.int32)[None])
+
+
 def test_megatron_gated_delta_net_is_refused(checkpoints):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -250,8 +261,8 @@ def test_context_parallel_is_refused(cpu_megatron):
         AutoBridge.from_config(tiny_hf_config("qwen3_5"), dtype=torch.float32, parallel_states=states)
 
 
-DIST_CASES = ["tp2:qwen3_5:full", "tp2:qwen3_5:selective", "ep2:qwen3_next:forward", "pp2:qwen3_5:full",
-              "pp2:qwen3_next:none"]
+DIST_CASES = ["tp2:qwen3_5:full", "tp2:qwen3_5:selective", "tp2:qwen3_5:chunks", "ep2:qwen3_next:forward",
+              "pp2:qwen3_5:full", "pp2:qwen3_next:none"]
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
 import torch
 from megatron.core import parallel_state
 
 from megatron_tree import ImageInput, MicroBatchSpec, pack_trees, pack_vision_trees
-from megatron_tree.mcore import bridge
+from megatron_tree.mcore import bridge, chunk_context
 from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
 from megatron_tree.runtime.tiny_models import QWEN2_5_VL_TOKENS
 
@@ -72,6 +73,23 @@ def recurrent_forest(seed: int = 0) -> list[list[int]]:
     trunk = rand(70)
     seqs += [trunk + [1] + rand(2), trunk + rand(3)]
     return seqs
+
+
+def gdn_chunk_batch(seed: int = 0) -> list[list[int]]:
+    """A 20-token prompt with a short sibling laid out before a 70-token branch (more than one 64-token chunk of the
+    scan when run alone), a branch off that one deep down and a duplicate; a 40-token trunk with 3-token branches
+    at depths 22-34 laid out after it (deepest first: one chunk holds several, each hanging from another earlier
+    chunk's slot). 25-91 tokens."""
+    rng = np.random.default_rng(seed)
+
+    def rand(n: int, high: int = VOCAB) -> list[int]:
+        return rng.integers(10, high, n).tolist()
+
+    prompt = rand(20)
+    long_a = prompt + [3] + rand(70)
+    trunk = rand(40, high=150)  # branch tokens 150+ sort after the trunk's
+    return [prompt + [1] + rand(6), long_a, long_a[:60] + [4] + rand(10), list(long_a), trunk,
+            *(trunk[:depth] + [150 + depth % 7] + rand(2) for depth in (22, 25, 30, 34))]
 
 
 def micro_batches(seqs: list[list[int]], max_tokens: int = 40):
@@ -269,10 +287,40 @@ def tree_and_flat_backward(tree, flat, seqs: list[list[int]], mbs) -> tuple[dict
     return tree_lp, flat_lp
 
 
-def run_dist_cases(run_case, work_dir: str, cases: list[str], tol: float) -> int:
+def weighted_loss_fn(seqs):
+    """``loss_fn`` whose per-micro-batch sums add up to ``weighted_sum`` of all log-probs (count 1 each)."""
+    whole = {}
+    for sid, seq in enumerate(seqs):
+        gen = torch.Generator().manual_seed(100_003 + sid)  # weighted_sum's weights, seed 1
+        whole[sid] = torch.randn(len(seq) - 1, generator=gen)
+    offsets = np.concatenate([[0], np.cumsum([len(s) - 1 for s in seqs])])
+    flat = torch.cat([whole[sid] for sid in range(len(seqs))])
+
+    def loss_fn(logprobs, mb):
+        weights = flat[torch.from_numpy(mb.target_index(offsets))].to(logprobs)
+        return (weights * logprobs).sum(), 1
+
+    return loss_fn
+
+
+def chunked_step(model, mbs, seqs):
+    """Parameter gradients of one ``tree_forward_backward`` step (sums: no division, no DDP)."""
+    config = model.config
+    config.finalize_model_grads_func = lambda *args, **kwargs: None
+    try:
+        from megatron_tree.mcore.schedule import tree_forward_backward
+
+        tree_forward_backward([model], mbs, weighted_loss_fn(seqs))
+    finally:
+        config.finalize_model_grads_func = None
+    assert not chunk_context._LINKS  # every chunk's kept keys and values were released
+    return param_grads(model)
+
+
+def run_dist_cases(run_case, work_dir: str, cases: list[str], tol) -> int:
     """Under torchrun: ``run_case(case, work_dir) -> (log-prob error, gradient error)`` for each case (compat patches
     applied, CPU mode), the worst over ranks printed by rank 0 as ``CASE logprob=... grad=...``; 1 if any reached
-    ``tol``."""
+    ``tol`` (a float, or a function of the case)."""
     import torch.distributed as dist
 
     from megatron_tree.compat import apply_compat_patches
@@ -285,7 +333,7 @@ def run_dist_cases(run_case, work_dir: str, cases: list[str], tol: float) -> int
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             if dist.get_rank() == 0:
                 print(f"{case} logprob={errs[0].item():.3g} grad={errs[1].item():.3g}", flush=True)
-            failed += float(errs.max().item() >= tol)
+            failed += float(errs.max().item() >= (tol(case) if callable(tol) else tol))
         destroy_distributed()
     return int(failed.item() > 0)
 

@@ -94,6 +94,7 @@ def build(path: str, case: str, *, tree: bool = True, weighted: bool = True, rec
     # mbridge maps no name for the expert-bias buffer: load the checkpoint into a model
     # without it and copy the weights over.
     bias = CASES[case].get("moe_router_enable_expert_bias", False)
+    _clear_tracker()  # its entries are sized by the layer count of the model that made them
     with mock.patch("megatron_tree.mcore.rope.weigh_router_statistics", lambda gpt: None) if not weighted else nullcontext():
         chunks = build_model(path, tree=tree, load_weights=not bias, **kwargs)[1]
     if bias:
@@ -103,6 +104,18 @@ def build(path: str, case: str, *, tree: bool = True, weighted: bool = True, rec
             missing, unexpected = chunk.module.load_state_dict(src.module.state_dict(), strict=False)
             assert not unexpected and all(k.endswith("expert_bias") for k in missing), (missing, unexpected)
     return chunks
+
+
+def _clear_tracker() -> None:
+    """Drop every entry of Megatron's MoE aux-loss tracker."""
+    try:  # megatron-core >= 0.18
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        get_moe_metrics_tracker().metrics.clear()
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
 
 
 def _logged() -> dict[str, torch.Tensor]:
@@ -231,6 +244,7 @@ def run_case(
     mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens), pad_to_multiple_of=8)
     groups = [mb.sequence_ids for mb in mbs]
     bias = CASES[case].get("moe_router_enable_expert_bias", False)
+    _clear_tracker()  # its entries are sized by the layer count of the model that made them
     # A fresh model per step: finalizing a step with expert bias updates the bias.
     tree = whole_step(tree_step(build(path, case, recompute=recompute), mbs))
     chains_mbs = [build_micro_batch(seqs, g, share_prefixes=False) for g in groups]
