@@ -75,6 +75,19 @@ MODELS = {
                                                     linear_key_head_dim=128, linear_value_head_dim=128,
                                                     num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
                                                     shared_expert_intermediate_size=512, mlp_only_layers=[])),
+    # Shared-expert MoE (Qwen2-MoE: a gated shared expert beside 16 routed top-4) at the qwen3-moe-2b size
+    "qwen2-moe-shared-2b": ("qwen2_moe", dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=12,
+                                              num_attention_heads=16, num_key_value_heads=4, num_experts=16,
+                                              num_experts_per_tok=4, moe_intermediate_size=768,
+                                              shared_expert_intermediate_size=1536)),
+    # A small DeepSeek-V3: MLA with its head dims (q/k 128 + 64 RoPE, v 128), layer 0 dense, then 16 sigmoid-routed
+    # experts top-4 in 4 groups (2 chosen) and a shared expert
+    "deepseek-v3-small": ("deepseek_v3", dict(vocab_size=129280, hidden_size=1024, num_hidden_layers=12,
+                                              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+                                              kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                              v_head_dim=128, intermediate_size=3072, moe_intermediate_size=512,
+                                              n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                              n_shared_experts=1, first_k_dense_replace=1)),
     # ~3.2B (0.9B active), Qwen3-Next's layers at 1/2 its depth and 1/16 its experts
 }
 
@@ -109,16 +122,24 @@ def flops_per_token_and_pair(cfg) -> tuple[float, float]:
 
     A Gated DeltaNet layer per token: ``in_proj`` (q, k, v, output gate, beta, decay), its causal conv, the delta
     rule as a recurrence (reading the state with k and with q, the rank-one write: 3 x Hv dk dv multiply-adds) and
-    ``out_proj``. Layers are full attention unless ``layer_types`` says ``linear_attention``; MoE layers count
-    their top-k experts, the shared expert and the router (``mlp_only_layers`` are dense)."""
+    ``out_proj``. Layers are full attention unless ``layer_types`` says ``linear_attention``; multi-latent attention
+    (``kv_lora_rank``) counts its low-rank projections, its pairs q/k head dim ``qk_nope + qk_rope`` and value head
+    dim ``v_head_dim``. MoE layers count their top-k experts, the router and the shared experts (Qwen's gated one,
+    or DeepSeek's / GLM's ``n_shared_experts``); ``mlp_only_layers`` and the first ``first_k_dense_replace`` layers
+    are dense."""
     h, v = cfg.hidden_size, cfg.vocab_size
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     linear = sum(t == "linear_attention" for t in types)
     full = len(types) - linear
-    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    gate = 2 if cfg.model_type in GATED_ATTENTION else 1
-    attn_proj = h * gate * nq * d + 2 * h * nkv * d + nq * d * h
+    nq, nkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if getattr(cfg, "kv_lora_rank", None):  # multi-latent attention
+        d_qk, d_v, rank = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        q = h * cfg.q_lora_rank + cfg.q_lora_rank * nq * d_qk if getattr(cfg, "q_lora_rank", None) else h * nq * d_qk
+        attn_proj = q + h * (rank + cfg.qk_rope_head_dim) + rank * nq * (cfg.qk_nope_head_dim + d_v) + nq * d_v * h
+    else:
+        d_qk = d_v = getattr(cfg, "head_dim", None) or h // nq
+        gate = 2 if cfg.model_type in GATED_ATTENTION else 1
+        attn_proj = h * gate * nq * d_qk + 2 * h * nkv * d_qk + nq * d_qk * h
     gdn = 0
     if linear:
         qk, hv, dv = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -126,16 +147,19 @@ def flops_per_token_and_pair(cfg) -> tuple[float, float]:
         gdn = (h * (2 * qk + 2 * vd + 2 * hv) + cfg.linear_conv_kernel_dim * (2 * qk + vd)
                + 3 * hv * cfg.linear_key_head_dim * dv + vd * h)
     dense = 3 * h * cfg.intermediate_size if getattr(cfg, "intermediate_size", None) else 0
-    if getattr(cfg, "num_experts", None):
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
+    if experts:
+        ffn = cfg.moe_intermediate_size
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
-        moe = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts
-        moe += (3 * h * shared + h) if shared else 0  # the shared expert and its sigmoid gate
-        n_dense = len(getattr(cfg, "mlp_only_layers", None) or [])
+        moe = cfg.num_experts_per_tok * 3 * h * ffn + h * experts
+        moe += (3 * h * shared + h) if shared else 0  # Qwen's shared expert and its sigmoid gate
+        moe += 3 * h * ffn * (getattr(cfg, "n_shared_experts", 0) or 0)  # DeepSeek's / GLM's shared experts
+        n_dense = len(getattr(cfg, "mlp_only_layers", None) or []) + (getattr(cfg, "first_k_dense_replace", 0) or 0)
         mlp = (len(types) - n_dense) * moe + n_dense * dense
     else:
         mlp = len(types) * dense
     per_token = 3 * 2 * (full * attn_proj + linear * gdn + mlp + h * v)
-    per_pair = 3 * 2 * 2 * nq * d * full
+    per_pair = 3 * 2 * nq * (d_qk + d_v) * full
     return float(per_token), float(per_pair)
 
 

@@ -66,11 +66,14 @@ def test_e2e_bench_hybrid_gdn_model_cpu_smoke(tmp_path):
     assert row["flat"]["computed_tokens"] == row["original_tokens"] and row["tree"]["step_s"] > 0
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3.5"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3.5", "qwen3-moe-2b", "qwen2-moe-shared-2b", "deepseek-v3-small",
+                                   "qwen3-next-hybrid-moe-3b"])
 def test_flops_per_token_count_every_matmul_weight_once(model, monkeypatch):
-    """``flops_per_token_and_pair`` against the Hugging Face model's own weights (dense models): per token 6 x the
-    weights of every linear layer (the gated q_proj included) plus each GDN layer's conv and recurrence
-    (3 Hv dk dv multiply-adds); per pair 12 x query heads x head dim per full-attention layer."""
+    """``flops_per_token_and_pair`` against the Hugging Face model's own weights (built on the meta device): per token
+    6 x the weights of every linear layer (the gated q_proj, MLA's low-rank projections, shared experts included),
+    of every router, top-k / experts of the routed experts' weights, plus each GDN layer's conv and recurrence
+    (3 Hv dk dv multiply-adds); per pair 6 x query heads x (q/k head dim + value head dim) per full-attention
+    layer."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,9 +86,17 @@ def test_flops_per_token_count_every_matmul_weight_once(model, monkeypatch):
     cfg = tiny_hf_config(arch, **overrides)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg)
-    linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
-    gdn_layers = [m for m in hf.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    modules = list(hf.modules())
+    linear = sum(m.weight.numel() for m in modules if isinstance(m, torch.nn.Linear))
+    routers = sum(m.weight.numel() for m in modules if type(m).__name__.endswith("Router"))
+    experts = [m for m in modules if type(m).__name__.endswith("Experts")]
+    routed = sum(p.numel() * cfg.num_experts_per_tok // p.shape[0] for m in experts for p in m.parameters())
+    gdn_layers = [m for m in modules if type(m).__name__.endswith("GatedDeltaNet")]
     recurrence = sum(m.conv1d.weight.numel() + 3 * m.num_v_heads * m.head_k_dim * m.head_v_dim for m in gdn_layers)
     full = cfg.num_hidden_layers - len(gdn_layers)
-    assert e2e_bench.flops_per_token_and_pair(cfg) == (6 * (linear + recurrence), 12 * full * cfg.num_attention_heads * cfg.head_dim)
-    assert (len(gdn_layers), full) == ((3, 1) if model == "tiny-qwen3.5" else (0, 2))
+    d_qk = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) if arch == "deepseek_v3" else getattr(cfg, "head_dim", None)
+    d_qk = d_qk or cfg.hidden_size // cfg.num_attention_heads
+    d_v = cfg.v_head_dim if arch == "deepseek_v3" else d_qk
+    assert e2e_bench.flops_per_token_and_pair(cfg) == (6 * (linear + routers + routed + recurrence),
+                                                       6 * full * cfg.num_attention_heads * (d_qk + d_v))
+    assert bool(experts) == ("moe" in model or "deepseek" in model) and bool(gdn_layers) == ("qwen3.5" in model or "next" in model)
