@@ -196,6 +196,13 @@ def pack_vision_trees(
         starts.append(run_starts)
         grids.append([img.grid_thw for img in own])
         owners.append(ids)
+    longest = max(range(len(keys)), key=lambda i: len(keys[i]), default=None)
+    if longest is not None and len(keys[longest]) > spec.max_tokens_per_mb:
+        raise ValueError(
+            f"sequence {longest} has {len(keys[longest])} tokens (image placeholders included), more than "
+            f"max_tokens_per_mb={spec.max_tokens_per_mb}; chunked trees with images are not supported: raise "
+            f"max_tokens_per_mb (--max-tokens-per-mb) to at least {len(keys[longest])}, or truncate them"
+        )
     mbs = pack_trees(keys, spec, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id)
     chunked = [k for k, mb in enumerate(mbs) if mb.chunk is not None]
     if chunked:

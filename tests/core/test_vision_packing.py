@@ -97,6 +97,8 @@ def test_equal_images_share_slots_and_different_ones_do_not(batch):
     ("count", r"placeholder runs \(token 150\) hold \[4\] tokens, but its 1 image\(s\) need \[6\]"),
     ("lists", "got 2 sequences but 1 image lists"),
     ("chunks", "chunked trees with images are not supported"),
+    ("too_long", r"sequence 0 has 9 tokens \(image placeholders included\), more than max_tokens_per_mb=8; chunked "
+                 r"trees with images are not supported: raise max_tokens_per_mb \(--max-tokens-per-mb\) to at least 9"),
     ("grid", "must be a \\[t \\* h \\* w, C\\] tensor"),
     ("video", r"sequence 1 holds video placeholder tokens \(151\): video inputs are not supported"),
 ])
@@ -111,8 +113,8 @@ def test_refuses_bad_input(case, match):
         elif case == "video":
             pack_vision_trees([[1, 2], [1, 151, 151]], [[], []], MicroBatchSpec(max_tokens_per_mb=64),
                               image_token_id=IMG, video_token_id=151)
-        elif case == "chunks":
-            pack_vision_trees([_block(a) + list(range(20))], [[a]],
-                              MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=True), image_token_id=IMG)
+        elif case in ("chunks", "too_long"):
+            pack_vision_trees([_block(a) + list(range(20))] if case == "chunks" else [_block(a) + [1, 2, 3]], [[a]],
+                              MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=case == "chunks"), image_token_id=IMG)
         else:
             ImageInput(torch.zeros(15, 8), (1, 4, 4))
