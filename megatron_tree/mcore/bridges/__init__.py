@@ -6,6 +6,9 @@
   :mod:`~megatron_tree.mcore.bridges.language_model`).
 - :mod:`~megatron_tree.mcore.bridges.qwen2_5_vl`: Qwen2.5-VL (``qwen2_5_vl``, replacing mbridge's own: its vision
   tower needs Transformer Engine): the language model with mRoPE and Hugging Face's vision tower.
+- :mod:`~megatron_tree.mcore.bridges.glm4v`: GLM-4V (``glm4v``, GLM-4.1V, replacing mbridge's own, Transformer Engine
+  only): GLM-4 layers with interleaved mRoPE and Hugging Face's vision tower
+  (:mod:`~megatron_tree.mcore.bridges.vision_language` holds what the two share).
 - :mod:`~megatron_tree.mcore.bridges.gemma3`: Gemma 3 text (``gemma3_text``; mbridge's ``gemma3`` is the
   vision-language model): local sliding-window and global layers with their own RoPE bases, sandwich norms.
 
@@ -17,6 +20,7 @@ adds model types, and replaces mbridge's bridge for the types in :data:`REPLACED
 from __future__ import annotations
 
 from megatron_tree.mcore.bridges.gemma3 import Gemma3TextBridge
+from megatron_tree.mcore.bridges.glm4v import Glm4VBridge
 from megatron_tree.mcore.bridges.qwen2_5_vl import Qwen25VLBridge
 from megatron_tree.mcore.bridges.qwen3_hybrid import (
     Qwen3NextBridge,
@@ -30,6 +34,7 @@ __all__ = [
     "BRIDGES",
     "REPLACED",
     "Gemma3TextBridge",
+    "Glm4VBridge",
     "Qwen25VLBridge",
     "Qwen35Bridge",
     "Qwen35MoeBridge",
@@ -47,10 +52,11 @@ BRIDGES = {
     "qwen3_5_moe": Qwen35MoeVLBridge,
     "gemma3_text": Gemma3TextBridge,
     "qwen2_5_vl": Qwen25VLBridge,
+    "glm4v": Glm4VBridge,
 }
 """HF ``model_type`` -> our bridge class."""
 
-REPLACED = frozenset({"qwen2_5_vl"})
+REPLACED = frozenset({"qwen2_5_vl", "glm4v"})
 """Types mbridge 0.15.1 registers whose bridge ours replaces (mbridge's cannot build them for tree training)."""
 
 
