@@ -34,7 +34,7 @@ from scripts.parity_common import (
     vision_micro_batches,
 )
 
-from megatron_tree import build_tree_model, tree_forward_only
+from megatron_tree import MicroBatchSpec, build_tree_model, pack_vision_trees, tree_forward_only
 from megatron_tree.mcore.vision_language import VisionLanguageModel
 from megatron_tree.runtime import save_tiny_hf_checkpoint
 
@@ -80,6 +80,11 @@ def test_bridge_builds_vision_language_model_and_exports_hf_weights(arch, checkp
     exported = dict(bridge.export_weights(chunks))
     assert exported.keys() == hf.keys()
     assert all(torch.equal(exported[k], hf[k]) for k in hf)
+    video = {"qwen2_5_vl": "video_token_id", "glm4v": "video_start_token_id"}[arch]  # GLM-4V: frames of image tokens
+    args = bridge.packing_args()
+    assert args == dict(image_token_id=IMG, spatial_merge_size=2, video_token_id=getattr(bridge.multimodal_config, video))
+    with pytest.raises(ValueError, match="video inputs are not supported"):
+        pack_vision_trees([[1, args["video_token_id"], IMG, 2]], [[]], MicroBatchSpec(max_tokens_per_mb=64), **args)
 
 
 def test_tree_logprobs_match_hf_and_depths_do_not(arch, checkpoint, forest):

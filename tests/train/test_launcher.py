@@ -353,6 +353,20 @@ def test_image_rollouts_train_qwen2_5_vl_on_trees(tmp_path, capsys):
                  "--overlap-grad-reduce"]) == 0
 
 
+@pytest.mark.slow
+def test_image_rollouts_train_glm4v_on_trees(tmp_path):
+    """configs/tiny_glm4v.yaml on the same image rollouts (GLM-4V's tiny special tokens are Qwen2.5-VL's)."""
+    image_dir = tmp_path / "vl.jsonl.images"
+    image_dir.mkdir()
+    data = tmp_path / "vl.jsonl"
+    write_rollouts(make_rollouts(prompts=2, samples=3, image_dir=str(image_dir)), str(data))
+    log = tmp_path / "vl_log.jsonl"
+    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_glm4v.yaml"), "--data-path", str(data),
+                 "--batch-size", "2", "--steps", "1", "--no-progress", "--log-jsonl", str(log)]) == 0
+    (rec,) = records(log)
+    assert np.isfinite(rec["loss"]) and rec["tree_token_ratio"] < 0.6
+
+
 def test_rollout_file_run_logs_plain_lines_to_sinks(tmp_path, capsys, monkeypatch):
     """GRPO on the sample file (examples/make_rollouts.py) with JSONL and TensorBoard sinks; stdout
     is not a terminal, so no progress bar, only one line per step; no temporary files remain."""
