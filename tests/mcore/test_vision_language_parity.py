@@ -3,8 +3,8 @@
 The tiny models (``save_tiny_hf_checkpoint(arch)``), the same special tokens: Qwen2.5-VL (``qwen2_5_vl``: Qwen2
 layers with mRoPE sections (2, 3, 3), a two-block vision tower (windowed, then full) merging 2 x 2 patches) and
 GLM-4V (``glm4v``: GLM-4 layers with four norms each, interleaved mRoPE sections (1, 1, 2) on half of each head, a
-two-block vision tower with interpolated position embeddings merging 2 x 2 patches by a convolution). The forest: GRPO-like samples of image prompts, short
-branches laid out before long ones; two different images of one grid (the same placeholder ids) under the same text;
+two-block vision tower with interpolated position embeddings merging 2 x 2 patches by a convolution). The forest:
+GRPO-like samples of image prompts, short branches laid out before long ones; two different images of one grid (the same placeholder ids) under the same text;
 an image under two different text prefixes; a prompt with text before its image and a wide image; a sequence with two
 images. Tree log-probs vs HF per sequence, gradients (vision tower included) vs each sequence alone, and what the
 check catches (depths instead of (t, h, w) positions); on a GPU (``-m gpu``) the same checks.
@@ -82,7 +82,8 @@ def test_bridge_builds_vision_language_model_and_exports_hf_weights(arch, checkp
     assert all(torch.equal(exported[k], hf[k]) for k in hf)
     video = {"qwen2_5_vl": "video_token_id", "glm4v": "video_start_token_id"}[arch]  # GLM-4V: frames of image tokens
     args = bridge.packing_args()
-    assert args == dict(image_token_id=IMG, spatial_merge_size=2, video_token_id=getattr(bridge.multimodal_config, video))
+    assert args == dict(image_token_id=IMG, spatial_merge_size=2,
+                        video_token_id=getattr(bridge.multimodal_config, video))
     with pytest.raises(ValueError, match="video inputs are not supported"):
         pack_vision_trees([[1, args["video_token_id"], IMG, 2]], [[]], MicroBatchSpec(max_tokens_per_mb=64), **args)
 
