@@ -35,8 +35,8 @@ from scripts.parity_common import (
 )
 
 from megatron_tree import MicroBatchSpec, build_tree_model, pack_vision_trees, tree_forward_only
-from megatron_tree.mcore.vision_language import VisionLanguageModel
-from megatron_tree.runtime import save_tiny_hf_checkpoint
+from megatron_tree.mcore.vision_language import InterleavedMultimodalRotaryEmbedding, VisionLanguageModel
+from megatron_tree.runtime import save_tiny_hf_checkpoint, tiny_hf_config
 
 TOL = 1e-5
 
@@ -86,6 +86,29 @@ def test_bridge_builds_vision_language_model_and_exports_hf_weights(arch, checkp
                         video_token_id=getattr(bridge.multimodal_config, video))
     with pytest.raises(ValueError, match="video inputs are not supported"):
         pack_vision_trees([[1, args["video_token_id"], IMG, 2]], [[]], MicroBatchSpec(max_tokens_per_mb=64), **args)
+
+
+def test_interleaved_mrope_is_hf_glm4v_rope(cpu_megatron):
+    """GLM-4V's RoPE: frequency i from t, h or w by mrope_section, rotating channels 2i and 2i + 1 (HF's cos / sin)."""
+    from transformers.models.glm4v.modeling_glm4v import Glm4vTextRotaryEmbedding
+
+    config = tiny_hf_config("glm4v").text_config
+    positions = torch.randint(0, 40, (3, 1, 24), generator=torch.Generator().manual_seed(0))
+    ours = InterleavedMultimodalRotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_base=10_000)
+    angles = ours(positions, MROPE_SECTION["glm4v"])[:, 0, 0]
+    cos, sin = Glm4vTextRotaryEmbedding(config)(torch.zeros(1), positions)
+    torch.testing.assert_close(angles.cos(), cos[0])
+    torch.testing.assert_close(angles.sin(), sin[0])
+    with pytest.raises(ValueError, match="must be three ints summing to the 4 rotated frequencies"):
+        ours(positions, [2, 2, 2])
+
+
+def test_glm4v_moe_is_refused_in_one_line(tmp_path, cpu_megatron):
+    from transformers import Glm4vMoeConfig
+
+    Glm4vMoeConfig().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"GLM-4.5V \(model_type glm4v_moe\) is not supported for tree training"):
+        build_tree_model(tmp_path, wrap_with_ddp=False)
 
 
 def test_tree_logprobs_match_hf_and_depths_do_not(arch, checkpoint, forest):

@@ -14,7 +14,8 @@
 
 :func:`register_bridges` makes ``AutoBridge.from_pretrained`` find them; :func:`megatron_tree.build_tree_model`,
 :func:`megatron_tree.build_flat_model` and :func:`megatron_tree.patch_bridge_for_tree_training` call it. Registering
-adds model types, and replaces mbridge's bridge for the types in :data:`REPLACED`; no other type changes. Idempotent.
+adds model types, replaces mbridge's bridge for the types in :data:`REPLACED` and refuses those in :data:`REFUSED`; no
+other type changes. Idempotent.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from megatron_tree.mcore.bridges.qwen3_hybrid import (
 
 __all__ = [
     "BRIDGES",
+    "REFUSED",
     "REPLACED",
     "Gemma3TextBridge",
     "Glm4VBridge",
@@ -59,6 +61,20 @@ BRIDGES = {
 REPLACED = frozenset({"qwen2_5_vl", "glm4v"})
 """Types mbridge 0.15.1 registers whose bridge ours replaces (mbridge's cannot build them for tree training)."""
 
+REFUSED = {
+    "glm4v_moe": "GLM-4.5V (model_type glm4v_moe) is not supported for tree training: its MoE language model and vision "
+                 "tower are not built (mbridge 0.15.1's bridge is Transformer Engine only); use a GLM-4.1V (glm4v) or "
+                 "Qwen2.5-VL checkpoint",
+}
+"""Types mbridge 0.15.1 registers that tree training does not build: ``AutoBridge`` raises this ``ValueError``."""
+
+
+def _refuse(model_type: str):
+    def refuse(hf_config, *args, **kwargs):
+        raise ValueError(REFUSED[model_type])
+
+    return refuse
+
 
 def register_bridges() -> None:
     """Register :data:`BRIDGES` with mbridge (``AutoBridge`` then builds them); a type already registered (by mbridge
@@ -70,3 +86,5 @@ def register_bridges() -> None:
     for model_type, cls in BRIDGES.items():
         if model_type not in known or model_type in REPLACED:
             register_model(model_type)(cls)
+    for model_type in REFUSED:
+        register_model(model_type)(_refuse(model_type))
