@@ -3,16 +3,16 @@
     python examples/make_rollouts.py --out /tmp/rollouts.jsonl
     python examples/make_rollouts.py --out /tmp/rollouts.parquet --prompts 16
     python examples/train_tree.py --config configs/tiny_qwen3.yaml --data-path /tmp/rollouts.jsonl --loss grpo
-    python examples/make_rollouts.py --out /tmp/vl_rollouts.jsonl --images   # for configs/tiny_qwen2_5_vl.yaml
+    python examples/make_rollouts.py --out /tmp/vl_rollouts.jsonl --images   # configs/tiny_qwen2_5_vl.yaml, tiny_glm4v.yaml
 
 ``--prompts`` prompts, each sampled ``--samples`` times: one row per sample with ``input_ids``
 (prompt + response, ids in ``[0, vocab)``), ``loss_mask`` (1 on the response), ``group``
 (the prompt) and ``reward`` (the share of response tokens below ``vocab / 2``); GRPO
 advantages are left to the launcher. The schema is in the README ("Rollout data").
 
-``--images``: every prompt starts with an image of random pixels (the tiny Qwen2.5-VL's: a 4 x 4 grid of patches of
-3 x 2 x 4 x 4 values, 4 placeholder tokens between its vision start and end tokens), saved as ``.npz`` beside the
-output file (``<out>.images/``) and named in each row's ``images``; text ids stay below the special tokens.
+``--images``: every prompt starts with an image of random pixels (the tiny Qwen2.5-VL's and GLM-4V's: a 4 x 4 grid
+of patches of 3 x 2 x 4 x 4 values, 4 placeholder tokens between its vision start and end tokens), saved as ``.npz``
+beside the output file (``<out>.images/``) and named in each row's ``images``; text ids stay below the special tokens.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4, help="responses per prompt")
     ap.add_argument("--vocab", type=int, default=160, help="token ids in [0, vocab) (the tiny configs' vocabulary)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--images", action="store_true", help="image prompts for the tiny Qwen2.5-VL (module docstring)")
+    ap.add_argument("--images", action="store_true", help="image prompts for the tiny Qwen2.5-VL / GLM-4V (docstring)")
     args = ap.parse_args()
     image_dir = None
     if args.images:

@@ -1,4 +1,4 @@
-"""Pack vision-language prompts into tree micro-batches (no Megatron import): Qwen2.5-VL's image placeholders.
+"""Pack vision-language prompts into tree micro-batches (no Megatron import): Qwen2.5-VL's and GLM-4V's images.
 
 Legend: n = sequences, T = slots, I = unique images of a micro-batch, P = their patches, K = image slots,
 m = the vision tower's spatial merge size. An image of grid ``(t, h, w)`` (patches) becomes ``t * h * w / m²``
@@ -11,8 +11,8 @@ placeholder's key is ``base + row``, its image's row among all unique images of 
 by a hash of their pixels and grid), ``base`` above every token id. Equal keys mean the same image and the same
 merged patch; the micro-batches get the real ids back (``input_ids``, ``logprob_labels``).
 
-Positions (Hugging Face's ``get_rope_index`` of Qwen2-VL / Qwen2.5-VL, per sequence): text tokens have
-``(p, p, p)``, ``p`` one more than the previous token's largest; an image starting at ``p`` has
+Positions (Hugging Face's ``get_rope_index`` of Qwen2-VL / Qwen2.5-VL / GLM-4V, per sequence, the same for images):
+text tokens have ``(p, p, p)``, ``p`` one more than the previous token's largest; an image starting at ``p`` has
 ``(p + i_t, p + i_h, p + i_w)`` for its merged patch ``(i_t, i_h, i_w)``, and the text after it continues from
 ``p + max(h, w) / m``. A token's position depends only on the tokens before it, so every sequence through a slot
 gives it the same position: :attr:`VisionMicroBatch.mrope_position_ids` holds it, per slot.
@@ -38,7 +38,7 @@ __all__ = ["ImageInput", "VisionMicroBatch", "mrope_positions", "pack_vision_tre
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image as the vision tower takes it (Hugging Face's Qwen2.5-VL image processor output for one image).
+    """One image as the vision tower takes it (the model's Hugging Face image processor output for one image).
 
     pixel_values  FloatTensor [t * h * w, C]  its patches (C = channels x temporal patch x patch²).
     grid_thw      (t, h, w)                   its grid in patches.

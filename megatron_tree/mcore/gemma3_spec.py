@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tree.mcore.layer_rope import LayerRopeSelfAttention
 from megatron_tree.mcore.rms_norm import RMSNorm
-from megatron_tree.mcore.sandwich_norm import SandwichNormLayerSubmodules, SandwichNormTransformerLayer
+from megatron_tree.mcore.sandwich_norm import sandwich_norm_layer
 from megatron_tree.mcore.stage_layers import stage_layer_ids
 
 __all__ = ["gemma3_block_spec"]
@@ -52,9 +52,7 @@ def _layer_spec(use_transformer_engine: bool) -> tuple[ModuleSpec, type]:
         )
         sub = dataclasses.replace(base.submodules, input_layernorm=RMSNorm, self_attention=attn,
                                   pre_mlp_layernorm=RMSNorm)
-    fields = {f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)}
-    submodules = SandwichNormLayerSubmodules(**fields, post_self_attn_layernorm=norm, post_mlp_layernorm=norm)
-    return ModuleSpec(module=SandwichNormTransformerLayer, params=base.params, submodules=submodules), norm
+    return sandwich_norm_layer(dataclasses.replace(base, submodules=sub), norm), norm
 
 
 def _local_rope(layer: ModuleSpec, rotary_base: float) -> ModuleSpec:

@@ -18,7 +18,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__all__ = ["SandwichNormLayerSubmodules", "SandwichNormTransformerLayer"]
+__all__ = ["SandwichNormLayerSubmodules", "SandwichNormTransformerLayer", "sandwich_norm_layer"]
 
 
 @dataclasses.dataclass
@@ -66,3 +66,12 @@ class SandwichNormTransformerLayer(TransformerLayer):
         self.post_mlp_layernorm = build_module(submodules.post_mlp_layernorm, **norm_args)
         self.self_attn_bda = _norm_then(self.post_self_attn_layernorm, self.self_attn_bda)
         self.mlp_bda = _norm_then(self.post_mlp_layernorm, self.mlp_bda)
+
+
+def sandwich_norm_layer(layer: ModuleSpec, norm: ModuleSpec | type) -> ModuleSpec:
+    """The ``TransformerLayer`` spec ``layer`` as a :class:`SandwichNormTransformerLayer` whose output norms are
+    ``norm`` (the spec's other submodules and params unchanged)."""
+    sub = layer.submodules
+    fields = {f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)}
+    submodules = SandwichNormLayerSubmodules(**fields, post_self_attn_layernorm=norm, post_mlp_layernorm=norm)
+    return ModuleSpec(module=SandwichNormTransformerLayer, params=layer.params, submodules=submodules)

@@ -2,8 +2,8 @@
 
 Shape legend: S = slots, b = batch (1), h = hidden size, P = patches of the micro-batch's unique images, K = image
 slots. :class:`VisionLanguageModel` is the language model (a ``GPTModel`` built with
-``position_embedding_type="mrope"``) with a vision tower (``visual``, Hugging Face's Qwen2.5-VL vision transformer,
-weights under the checkpoint's ``visual.*``) that embeds images into the first stage's input:
+``position_embedding_type="mrope"``) with a vision tower (``visual``, Hugging Face's vision transformer of the
+checkpoint: Qwen2.5-VL's, GLM-4V's) that embeds images into the first stage's input:
 
 1. the vision tower runs once over the micro-batch's unique images (``pixel_values [P, C]``,
    ``image_grid_thw [I, 3]``), giving one row per merged patch;
@@ -12,6 +12,10 @@ weights under the checkpoint's ``visual.*``) that embeds images into the first s
 3. the language model runs with the tree mask and the slots' (t, h, w) positions ``mrope_position_ids
    [3, b, S]`` (:class:`~megatron_tree.core.vision_packing.VisionMicroBatch`), which megatron-core's multimodal
    RoPE reads per token.
+
+Interleaved heads (``config.rotary_interleaved``: channel pairs ``(2i, 2i + 1)`` rotate by frequency ``i``, GLM-4V)
+take their (t, h, w) angles from :class:`InterleavedMultimodalRotaryEmbedding` (megatron-core 0.16's multimodal RoPE
+lays its sections out for split halves only).
 
 The gradient of every image slot flows back into the one vision-tower pass, so the tower's gradient is the sum over
 the sequences that hold the image, as in each sequence alone.
@@ -22,14 +26,38 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 
-__all__ = ["VisionLanguageModel", "add_vision_tower"]
+__all__ = ["InterleavedMultimodalRotaryEmbedding", "VisionLanguageModel", "add_vision_tower"]
+
+
+class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+    """megatron-core's ``MultimodalRotaryEmbedding`` for interleaved heads: frequency ``i`` (of the ``F`` rotated
+    ones, ``inv_freq [F]``) takes its angle from the t, h or w position by ``mrope_section`` (its first ``s_t``
+    frequencies from t, the next ``s_h`` from h, the rest from w) and rotates channels ``2i`` and ``2i + 1``
+    (Hugging Face's GLM-4V)."""
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: list[int],
+                cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
+        """``position_ids [3, b, S]`` -> angles ``[S, b, 1, 2F]`` (each frequency's angle twice, side by side)."""
+        freqs = self.inv_freq
+        if len(mrope_section) != 3 or sum(mrope_section) != freqs.numel():
+            raise ValueError(f"mrope_section={list(mrope_section)} must be three ints summing to the {freqs.numel()} "
+                             f"rotated frequencies per head")
+        positions = position_ids.to(freqs.device, torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        angles = positions[..., None] * freqs  # [3, b, S, F]
+        axis = torch.repeat_interleave(torch.arange(3, device=freqs.device),
+                                       torch.tensor(mrope_section, device=freqs.device))
+        picked = angles.gather(0, axis.expand(1, *angles.shape[1:]))[0]  # [b, S, F]
+        return picked.repeat_interleave(2, -1).transpose(0, 1)[:, :, None].contiguous()
 
 
 class VisionLanguageModel(GPTModel):
     """``GPTModel`` (mRoPE) with a vision tower ``visual`` on the first pipeline stage (module docstring).
-    Made from a built ``GPTModel`` by :func:`add_vision_tower`; megatron_tree's Qwen2.5-VL bridge does it."""
+    Made from a built ``GPTModel`` by :func:`add_vision_tower`; megatron_tree's vision-language bridges do it."""
 
     visual: torch.nn.Module | None
 
@@ -80,7 +108,7 @@ class VisionLanguageModel(GPTModel):
 def add_vision_tower(model: GPTModel, visual: torch.nn.Module | None) -> VisionLanguageModel:
     """Make the built ``model`` (``position_embedding_type="mrope"``, no sequence or context parallel) a
     :class:`VisionLanguageModel` in place with the vision tower ``visual`` (None on pipeline stages without the
-    embedding); returns it."""
+    embedding); returns it. Interleaved heads rotate by :class:`InterleavedMultimodalRotaryEmbedding`."""
     config = model.config
     if model.position_embedding_type != "mrope":
         raise ValueError(f"a vision-language model needs position_embedding_type='mrope', got "
@@ -93,4 +121,6 @@ def add_vision_tower(model: GPTModel, visual: torch.nn.Module | None) -> VisionL
                          f"parallel only (sequence_parallel=False, context / pipeline parallel size 1)")
     model.__class__ = VisionLanguageModel
     model.visual = visual if model.pre_process else None
+    if config.rotary_interleaved:
+        model.rotary_pos_emb.__class__ = InterleavedMultimodalRotaryEmbedding
     return model

@@ -18,11 +18,11 @@ TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "g
               "qwen3_next")
 """The causal-LM architectures every family-wide test (and the launcher's ``--arch``) runs."""
 
-OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl")
+OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl", "glm4v")
 """Architectures :func:`tiny_hf_config` also knows, tested in their own files rather than in every family-wide
 test: Gemma 3 text (``tests/mcore/test_gemma3_parity.py``) and the published multimodal Qwen3.5 / Qwen3.5-MoE
-checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL
-(``tests/mcore/test_qwen2_5_vl_parity.py``)."""
+checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL and
+GLM-4V (``tests/mcore/test_vision_language_parity.py``)."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -57,10 +57,20 @@ _TINY_QWEN2_5_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_h
 QWEN2_5_VL_TOKENS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
 """The tiny Qwen2.5-VL's special tokens (inside its vocabulary of 160)."""
 
+_TINY_GLM4V_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, image_size=16,
+                          spatial_merge_size=2, temporal_patch_size=2)
+"""GLM-4V's vision tower, tiny: two blocks, learned position embeddings of a 4 x 4 patch grid (interpolated to each
+image's grid), patches of 3 x 2 x 4 x 4 = 96 values, merged 2 x 2 by a strided convolution."""
+
+_GLM4V_TOKENS = dict(image_token_id=150, video_token_id=151, image_start_token_id=152, image_end_token_id=153,
+                    video_start_token_id=154, video_end_token_id=155)
+"""The tiny GLM-4V's special tokens (vocabulary 160; image, image start and end ids as :data:`QWEN2_5_VL_TOKENS`)."""
+
 _MULTIMODAL = {
     "qwen3_5_vl": ("Qwen3_5Config", _TINY_VISION, {}),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", _TINY_VISION, {}),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", _TINY_QWEN2_5_VISION, QWEN2_5_VL_TOKENS),
+    "glm4v": ("Glm4vConfig", _TINY_GLM4V_VISION, _GLM4V_TOKENS),
 }
 """Archs saved as published multimodal checkpoints (HF ``…ForConditionalGeneration``): their ``per_arch`` entry is
 the language model's config (``text_config``), wrapped in this config class with this vision config and these
@@ -170,6 +180,12 @@ def tiny_hf_config(arch: str, **overrides: Any):
             dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
                  bos_token_id=None, eos_token_id=None),  # the published ids lie outside the tiny vocabulary
         ),
+        "glm4v": (  # GLM-4V's language model: GLM-4 layers (qkv biases, fused gate / up, norms after the attention
+            # and the MLP too), interleaved mRoPE on half of each head: (t, h, w) = 1 + 1 + 2 of its 4 frequencies
+            "Glm4vTextConfig",
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [1, 1, 2],
+                                  "partial_rotary_factor": 0.5}),
+        ),
         "qwen3_5": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # Qwen3.5 text: hybrid layers, dense MLPs
         "qwen3_5_vl": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # published Qwen3.5: the same language model
         "qwen3_5_moe": (  # published Qwen3.5-MoE: hybrid layers, MoE in every layer with a gated shared expert
@@ -255,7 +271,10 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     language model under ``model.language_model``: ``"qwen3_5"``'s layers; Qwen3.5-MoE's MLPs are MoEs of 4 experts
     of FFN 32, top-2, normalised, with a shared expert of FFN 32 behind a sigmoid gate), ``"qwen2_5_vl"`` (Qwen2.5-VL,
     ``Qwen2_5_VLForConditionalGeneration``: Qwen2 layers with mRoPE sections (2, 3, 3), a two-block vision tower of
-    hidden 32, patch 4, merge 2, windows of 16 pixels; special tokens :data:`QWEN2_5_VL_TOKENS`). Defaults: hidden 64,
+    hidden 32, patch 4, merge 2, windows of 16 pixels; special tokens :data:`QWEN2_5_VL_TOKENS`), ``"glm4v"`` (GLM-4V,
+    ``Glm4vForConditionalGeneration``: GLM-4 layers (qkv biases, fused gate / up, four RMSNorms) with interleaved mRoPE
+    sections (1, 1, 2) on half of each head, a two-block vision tower of hidden 32, patch 4, merge 2; the same image
+    token ids). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around their initial value (1, or 0

@@ -194,11 +194,7 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
 def vision_packing_args(bridge) -> dict[str, int] | None:
     """``pack_vision_trees``'s model keywords (``image_token_id``, ``spatial_merge_size``, ``video_token_id``) of a
     bridge that builds a vision tower, else None."""
-    if not getattr(bridge, "builds_vision_tower", False):
-        return None
-    config = bridge.multimodal_config
-    return dict(image_token_id=config.image_token_id, spatial_merge_size=config.vision_config.spatial_merge_size,
-                video_token_id=config.video_token_id)
+    return bridge.packing_args() if getattr(bridge, "builds_vision_tower", False) else None
 
 
 def peak_memory_gib(cuda: bool) -> float:
@@ -613,7 +609,8 @@ class Trainer:
         micro-batch split at branch points, their shared path computed in each part: chunks take no images)."""
         vision, problem = vision_packing_args(self.bridge), None
         if vision is None:
-            problem = "the model has no vision tower (train a Qwen2.5-VL checkpoint, or model.arch qwen2_5_vl)"
+            problem = ("the model has no vision tower (train a Qwen2.5-VL or GLM-4V checkpoint, or model.arch "
+                       "qwen2_5_vl / glm4v)")
         elif not self.tree_model:
             problem = "images need train.tree_training: true"
         elif self.ppo is not None:

@@ -1,5 +1,6 @@
 """Vision-language packing (``pack_vision_trees``): image identity in the trie, per-slot (t, h, w) positions equal to
-Hugging Face's ``get_rope_index`` for every sequence through the slot, and what is refused."""
+Hugging Face's ``get_rope_index`` (Qwen2.5-VL's and GLM-4V's, the same rule for images) for every sequence through
+the slot, and what is refused."""
 
 from __future__ import annotations
 
@@ -24,16 +25,18 @@ def _block(img: ImageInput) -> list[int]:
     return [START] + [IMG] * img.num_tokens(2) + [END]
 
 
-def _hf_positions(seq: list[int], images: list[ImageInput]) -> torch.Tensor:
-    """Hugging Face's Qwen2.5-VL ``get_rope_index`` for one sequence: ``[3, L]``."""
-    from transformers import Qwen2_5_VLConfig
+def _hf_positions(seq: list[int], images: list[ImageInput], arch: str) -> torch.Tensor:
+    """Hugging Face's ``get_rope_index`` (Qwen2.5-VL's or GLM-4V's) for one sequence: ``[3, L]``."""
+    import transformers
+    from transformers.models.glm4v.modeling_glm4v import Glm4vModel
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-    fake = SimpleNamespace(config=Qwen2_5_VLConfig(), get_vision_position_ids=functools.partial(
-        Qwen2_5_VLModel.get_vision_position_ids, None))
+    config, model = {"qwen2_5_vl": ("Qwen2_5_VLConfig", Qwen2_5_VLModel), "glm4v": ("Glm4vConfig", Glm4vModel)}[arch]
+    fake = SimpleNamespace(config=getattr(transformers, config)(), get_vision_position_ids=functools.partial(
+        model.get_vision_position_ids, None))
     ids = torch.tensor(seq)[None]
     grids = torch.tensor([img.grid_thw for img in images]) if images else None
-    return Qwen2_5_VLModel.get_rope_index(fake, ids, (ids == IMG).int(), image_grid_thw=grids)[0][:, 0]
+    return model.get_rope_index(fake, ids, (ids == IMG).int(), image_grid_thw=grids)[0][:, 0]
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +49,15 @@ def batch():
     return seqs, images, pack_vision_trees(seqs, images, MicroBatchSpec(max_tokens_per_mb=200), image_token_id=IMG)
 
 
-def test_slot_positions_are_each_sequences_hf_positions(batch):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "glm4v"])
+def test_slot_positions_are_each_sequences_hf_positions(batch, arch):
     seqs, images, mbs = batch
     (mb,) = mbs
     end = mb.attention_mask[0]
     for k, (sid, last) in enumerate(zip(mb.sequence_ids, mb.last_slots.tolist())):
         path = torch.nonzero((torch.arange(mb.num_slots) <= last) & (end > last))[:, 0]
         torch.testing.assert_close(mb.input_ids[0, path], torch.tensor(seqs[sid]))
-        torch.testing.assert_close(mb.mrope_position_ids[:, 0, path], _hf_positions(seqs[sid], images[sid]))
+        torch.testing.assert_close(mb.mrope_position_ids[:, 0, path], _hf_positions(seqs[sid], images[sid], arch))
 
 
 def _unique_prefixes(seqs, images=None) -> int:

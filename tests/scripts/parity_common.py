@@ -338,7 +338,8 @@ def run_dist_cases(run_case, work_dir: str, cases: list[str], tol) -> int:
     return int(failed.item() > 0)
 
 
-# Vision-language (Qwen2.5-VL) prompts: the tiny model's placeholder tokens, images of random patches.
+# Vision-language (Qwen2.5-VL, GLM-4V) prompts: the tiny models' placeholder tokens (the same ids), images of random
+# patches.
 IMG, START, END = (QWEN2_5_VL_TOKENS[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
 PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch²
 
@@ -379,7 +380,7 @@ def vision_micro_batches(seqs, images, max_tokens: int = 64):
 
 
 def hf_vision_logprobs(path, seqs, images) -> dict[int, torch.Tensor]:
-    """Each sequence alone through Hugging Face's ``Qwen2_5_VLForConditionalGeneration`` (fp32)."""
+    """Each sequence alone through the checkpoint's Hugging Face ``…ForConditionalGeneration`` (fp32)."""
     hf = hf_model(path, dtype=torch.float32)
     out = {}
     with torch.no_grad():

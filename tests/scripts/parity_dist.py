@@ -4,8 +4,8 @@ Run: torchrun --standalone --nproc-per-node 2 tests/scripts/parity_dist.py WORK_
 with CASE = ``tp<N>:<arch>:<mode>`` or ``ep<N>:<arch>:<mode>``, mode ``full`` / ``selective``
 (recompute granularity of the gradient check) or ``forward`` (log-probs only), e.g.
 ``tp2:qwen3:full ep2:qwen3_moe:forward`` (``<arch>``: a tiny arch or a sliding-window case of
-``parity_common.SLIDING_WINDOW_CASES``, e.g. ``tp2:qwen2_swa:full``; ``qwen2_5_vl``: image prompts, gradients vs each
-sequence alone through the same tree model). For each case every rank builds the tree model (under
+``parity_common.SLIDING_WINDOW_CASES``, e.g. ``tp2:qwen2_swa:full``; ``qwen2_5_vl`` / ``glm4v``: image prompts,
+gradients vs each sequence alone through the same tree model). For each case every rank builds the tree model (under
 patch_bridge_for_tree_training) at that parallel size and checks, on a branching forest, tree
 log-probs vs Hugging Face per sequence (< 1e-5); unless ``forward``, it also builds the upstream
 model and checks this rank's parameter gradients of a weighted log-prob sum vs that model run
@@ -51,7 +51,7 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
     kind, arch, recompute = case.split(":")
     size = int(kind[2:])
     init_cpu_distributed(**{kind[:2]: size})
-    if arch == "qwen2_5_vl":  # image prompts: gradients vs each sequence alone through the same model
+    if arch in ("qwen2_5_vl", "glm4v"):  # image prompts: gradients vs each sequence alone through the same model
         path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, f"{kind}_{arch}"))
         seqs, images = vision_forest()
         model = build_model(path, tree=True, recompute=recompute)[0].train()

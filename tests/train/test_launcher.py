@@ -331,26 +331,38 @@ def test_data_errors_name_the_row_and_nothing_is_left_behind(tmp_path, capsys, m
     assert sorted(os.listdir(tmp_path)) == ["rollouts.jsonl"]
 
 
-def test_image_rollouts_train_qwen2_5_vl_on_trees(tmp_path, capsys):
-    """configs/tiny_qwen2_5_vl.yaml on make_rollouts.py --images: the samples of a prompt share its image in the tree;
-    the same rollouts with a text model are refused in one line; text-only rollouts train the same model with
-    overlapped gradient reduction."""
+def _train_image_rollouts_one_step(tmp_path, config: str) -> str:
+    """make_rollouts.py --images (2 prompts x 3 samples) trained one step by ``configs/<config>``: the samples of a
+    prompt share its image in the tree. Returns the rollout file."""
     image_dir = tmp_path / "vl.jsonl.images"
     image_dir.mkdir()
     data = tmp_path / "vl.jsonl"
     write_rollouts(make_rollouts(prompts=2, samples=3, image_dir=str(image_dir)), str(data))
     log = tmp_path / "vl_log.jsonl"
-    assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen2_5_vl.yaml"), "--data-path", str(data),
+    assert main(["--config", str(REPO_ROOT / "configs" / config), "--data-path", str(data),
                  "--batch-size", "2", "--steps", "1", "--no-progress", "--log-jsonl", str(log)]) == 0
     (rec,) = records(log)
     assert np.isfinite(rec["loss"]) and rec["tree_token_ratio"] < 0.6
-    assert main(["--data-path", str(data), "--batch-size", "2", "--steps", "1", "--no-progress"]) == 1
+    return str(data)
+
+
+def test_image_rollouts_train_qwen2_5_vl_on_trees(tmp_path, capsys):
+    """configs/tiny_qwen2_5_vl.yaml on make_rollouts.py --images; the same rollouts with a text model are refused in
+    one line; text-only rollouts train the same model with overlapped gradient reduction."""
+    data = _train_image_rollouts_one_step(tmp_path, "tiny_qwen2_5_vl.yaml")
+    assert main(["--data-path", data, "--batch-size", "2", "--steps", "1", "--no-progress"]) == 1
     assert "the rollouts carry images, but the model has no vision tower" in capsys.readouterr().err
     text = tmp_path / "text.jsonl"  # no image in a step: the vision tower still takes part (overlapped reduction)
     write_rollouts(make_rollouts(prompts=2, samples=3), str(text))
     assert main(["--config", str(REPO_ROOT / "configs" / "tiny_qwen2_5_vl.yaml"), "--data-path", str(text),
                  "--batch-size", "2", "--steps", "1", "--no-progress", "--use-distributed-optimizer",
                  "--overlap-grad-reduce"]) == 0
+
+
+@pytest.mark.slow
+def test_image_rollouts_train_glm4v_on_trees(tmp_path):
+    """configs/tiny_glm4v.yaml on the same image rollouts (GLM-4V's tiny special tokens are Qwen2.5-VL's)."""
+    _train_image_rollouts_one_step(tmp_path, "tiny_glm4v.yaml")
 
 
 def test_rollout_file_run_logs_plain_lines_to_sinks(tmp_path, capsys, monkeypatch):

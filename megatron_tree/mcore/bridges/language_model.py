@@ -52,7 +52,7 @@ class LanguageModelOf:
 
     builds_vision_tower = False
     """Whether the bridge builds the vision tower too
-    (:class:`~megatron_tree.mcore.bridges.qwen2_5_vl.Qwen25VLBridge`)."""
+    (:class:`~megatron_tree.mcore.bridges.vision_language.VisionLanguageBridge`)."""
 
     language_model_prefix = _LANGUAGE_MODEL_PREFIX
     """Where the checkpoint keeps the language model's ``model.*`` tensors (Qwen2.5-VL checkpoints: ``model.``)."""

@@ -1,8 +1,10 @@
-"""Qwen2.5-VL (``qwen2_5_vl``) built by our mbridge bridge, image prompts tree-packed, against Hugging Face (CPU, fp32).
+"""Vision-language models built by our mbridge bridges, image prompts tree-packed, against Hugging Face (CPU, fp32).
 
-The tiny model (``save_tiny_hf_checkpoint("qwen2_5_vl")``): Qwen2 layers with mRoPE sections (2, 3, 3), a two-block
-vision tower (windowed, then full) merging 2 x 2 patches. The forest: GRPO-like samples of image prompts, short
-branches laid out before long ones; two different images of one grid (the same placeholder ids) under the same text;
+The tiny models (``save_tiny_hf_checkpoint(arch)``), the same special tokens: Qwen2.5-VL (``qwen2_5_vl``: Qwen2
+layers with mRoPE sections (2, 3, 3), a two-block vision tower (windowed, then full) merging 2 x 2 patches) and
+GLM-4V (``glm4v``: GLM-4 layers with four norms each, interleaved mRoPE sections (1, 1, 2) on half of each head, a
+two-block vision tower with interpolated position embeddings merging 2 x 2 patches by a convolution). The forest:
+GRPO-like samples of image prompts, short branches laid out before long ones; two different images of one grid (the same placeholder ids) under the same text;
 an image under two different text prefixes; a prompt with text before its image and a wide image; a sequence with two
 images. Tree log-probs vs HF per sequence, gradients (vision tower included) vs each sequence alone, and what the
 check catches (depths instead of (t, h, w) positions); on a GPU (``-m gpu``) the same checks.
@@ -32,16 +34,24 @@ from scripts.parity_common import (
     vision_micro_batches,
 )
 
-from megatron_tree import build_tree_model, tree_forward_only
-from megatron_tree.mcore.vision_language import VisionLanguageModel
-from megatron_tree.runtime import save_tiny_hf_checkpoint
+from megatron_tree import MicroBatchSpec, build_tree_model, pack_vision_trees, tree_forward_only
+from megatron_tree.mcore.vision_language import InterleavedMultimodalRotaryEmbedding, VisionLanguageModel
+from megatron_tree.runtime import save_tiny_hf_checkpoint, tiny_hf_config
 
 TOL = 1e-5
 
 
+MROPE_SECTION = {"qwen2_5_vl": [2, 3, 3], "glm4v": [1, 1, 2]}
+
+
+@pytest.fixture(scope="module", params=sorted(MROPE_SECTION))
+def arch(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, cpu_megatron):
-    return save_tiny_hf_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+def checkpoint(arch, tmp_path_factory, cpu_megatron):
+    return save_tiny_hf_checkpoint(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +71,47 @@ def test_packing_shares_equal_images_only(forest):
         assert mb.image_grid_thw.shape[0] == len({img.key() for i in mb.sequence_ids for img in images[i]})
 
 
-def test_bridge_builds_vision_language_model_and_exports_hf_weights(checkpoint):
+def test_bridge_builds_vision_language_model_and_exports_hf_weights(arch, checkpoint):
     bridge, chunks = build_tree_model(checkpoint, wrap_with_ddp=False)
     model = chunks[0]
     assert isinstance(model, VisionLanguageModel) and model.position_embedding_type == "mrope"
-    assert model.config.mrope_section == [2, 3, 3]
+    assert model.config.mrope_section == MROPE_SECTION[arch]
     hf = load_file(Path(checkpoint) / "model.safetensors")
     exported = dict(bridge.export_weights(chunks))
     assert exported.keys() == hf.keys()
     assert all(torch.equal(exported[k], hf[k]) for k in hf)
+    video = {"qwen2_5_vl": "video_token_id", "glm4v": "video_start_token_id"}[arch]  # GLM-4V: frames of image tokens
+    args = bridge.packing_args()
+    assert args == dict(image_token_id=IMG, spatial_merge_size=2,
+                        video_token_id=getattr(bridge.multimodal_config, video))
+    with pytest.raises(ValueError, match="video inputs are not supported"):
+        pack_vision_trees([[1, args["video_token_id"], IMG, 2]], [[]], MicroBatchSpec(max_tokens_per_mb=64), **args)
 
 
-def test_tree_logprobs_match_hf_and_depths_do_not(checkpoint, forest):
+def test_interleaved_mrope_is_hf_glm4v_rope(cpu_megatron):
+    """GLM-4V's RoPE: frequency i from t, h or w by mrope_section, rotating channels 2i and 2i + 1 (HF's cos / sin)."""
+    from transformers.models.glm4v.modeling_glm4v import Glm4vTextRotaryEmbedding
+
+    config = tiny_hf_config("glm4v").text_config
+    positions = torch.randint(0, 40, (3, 1, 24), generator=torch.Generator().manual_seed(0))
+    ours = InterleavedMultimodalRotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_base=10_000)
+    angles = ours(positions, MROPE_SECTION["glm4v"])[:, 0, 0]
+    cos, sin = Glm4vTextRotaryEmbedding(config)(torch.zeros(1), positions)
+    torch.testing.assert_close(angles.cos(), cos[0])
+    torch.testing.assert_close(angles.sin(), sin[0])
+    with pytest.raises(ValueError, match="must be three ints summing to the 4 rotated frequencies"):
+        ours(positions, [2, 2, 2])
+
+
+def test_glm4v_moe_is_refused_in_one_line(tmp_path, cpu_megatron):
+    from transformers import Glm4vMoeConfig
+
+    Glm4vMoeConfig().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"GLM-4.5V \(model_type glm4v_moe\) is not supported for tree training"):
+        build_tree_model(tmp_path, wrap_with_ddp=False)
+
+
+def test_tree_logprobs_match_hf_and_depths_do_not(arch, checkpoint, forest):
     seqs, images, mbs = forest
     want = hf_vision_logprobs(checkpoint, seqs, images)
     model = build_model(checkpoint, tree=True)[0].eval()
@@ -82,7 +121,7 @@ def test_tree_logprobs_match_hf_and_depths_do_not(checkpoint, forest):
         depth_mbs = [mb.__class__(**{**vars(mb), "mrope_position_ids": mb.position_ids.expand(3, 1, -1)})
                      for mb in mbs]
         depth_err = max_diff(tree_logprobs(model, depth_mbs), want)
-    print(f"qwen2_5_vl: tree vs HF {tree_err:.3g} (through tree_forward_only {schedule_err:.3g}); depths instead of "
+    print(f"{arch}: tree vs HF {tree_err:.3g} (through tree_forward_only {schedule_err:.3g}); depths instead of "
           f"(t, h, w) positions {depth_err:.3g}")
     assert tree_err < TOL and schedule_err < TOL and depth_err > 1e-2
     mb = mbs[0]
@@ -90,17 +129,17 @@ def test_tree_logprobs_match_hf_and_depths_do_not(checkpoint, forest):
         model(mb.input_ids, mb.position_ids, mb.attention_mask, **{**mb.model_inputs(), "mrope_position_ids": None})
 
 
-def test_text_only_trees_match_hf(checkpoint):
+def test_text_only_trees_match_hf(arch, checkpoint):
     """Plain tree micro-batches (depths): a text token's (t, h, w) position is (d, d, d)."""
     seqs = branching_forest()
     model = build_model(checkpoint, tree=True)[0].eval()
     with torch.no_grad():
         err = max_diff(dict(enumerate(tree_forward_only([model], micro_batches(seqs)))), hf_logprobs(checkpoint, seqs))
-    print(f"qwen2_5_vl text only: tree vs HF {err:.3g}")
+    print(f"{arch} text only: tree vs HF {err:.3g}")
     assert err < TOL
 
 
-def test_gradients_match_each_sequence_alone(checkpoint, forest):
+def test_gradients_match_each_sequence_alone(arch, checkpoint, forest):
     """Tree backward (one micro-batch at a time) vs each sequence alone as its own micro-batch, same model: every
     parameter, the vision tower's included."""
     seqs, images, mbs = forest
@@ -110,12 +149,12 @@ def test_gradients_match_each_sequence_alone(checkpoint, forest):
     grads = param_grads(model)
     assert any(n.startswith("visual.") for n in grads)
     grad_err = relative_grad_error(tree_grads, grads)
-    print(f"qwen2_5_vl: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
+    print(f"{arch}: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
     assert lp_err < TOL and grad_err < TOL
 
 
 @pytest.mark.gpu
-def test_gpu_vision_trees_match_hf_and_each_sequence_alone(checkpoint, forest):
+def test_gpu_vision_trees_match_hf_and_each_sequence_alone(arch, checkpoint, forest):
     """The same checks on a GPU (fp32, TF32 off: run with ``NVIDIA_TF32_OVERRIDE=0``), its kernels and Transformer
     Engine's spec where TE runs; Hugging Face's reference on the CPU."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -126,6 +165,6 @@ def test_gpu_vision_trees_match_hf_and_each_sequence_alone(checkpoint, forest):
         err = max_diff(tree_logprobs(model.eval(), mbs), hf_vision_logprobs(checkpoint, seqs, images))
     tree_grads, tree_lp, alone = tree_and_alone_backward(model.train(), seqs, images, mbs)
     grad_err = relative_grad_error(tree_grads, param_grads(model))
-    print(f"qwen2_5_vl on {torch.cuda.get_device_name()}: tree vs HF {err:.3g}; vs alone logprob "
+    print(f"{arch} on {torch.cuda.get_device_name()}: tree vs HF {err:.3g}; vs alone logprob "
           f"{max_diff(tree_lp, alone):.3g}, relative grad {grad_err:.3g}")
     assert err < TOL and grad_err < TOL
