@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tree.linear_attention.checks import check_carried, check_finite, check_floating, check_shape, compute_dtype
+from megatron_tree.linear_attention.checks import (check_carried, check_finite, check_floating, check_shape,
+                                                   compute_dtype)
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout
 
 __all__ = ["tree_causal_conv1d", "tree_conv_windows"]

@@ -24,7 +24,8 @@ flash-linear-attention's Triton kernels (``fla.ops.gated_delta_rule``) run only 
 (triton 3.6) fla 0.6.0 refuses itself: "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results
 for gated chunk_bwd_dqkwg (see #640)" (``benchmarks/fla_probe.py``); our first tree test there stopped at an
 illegal memory access in its varlen backward. Elsewhere the PyTorch path below (autograd backward; fp64
-math for fp64 inputs, the exactness checks, else fp32), exact on CPU and GPU. fp32 never goes to fla: its Triton dots take TF32."""
+math for fp64 inputs, the exactness checks, else fp32), exact on CPU and GPU. fp32 never goes to fla: its Triton
+dots take TF32."""
 
 from __future__ import annotations
 
@@ -68,10 +69,11 @@ def chunk_gated_delta_rule(
     ``beta`` [B, T, H] (module docstring), as ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
 
     ``scale`` defaults to ``Kd ** -0.5`` (no l2 norm is applied here). ``initial_state`` [N, H, Kd, Vd]
-    (fp32 preferred; fp64 with fp64 inputs) starts each sequence, zero if None. With ``cu_seqlens`` (int [N+1], B == 1) each
-    range ``[cu_seqlens[n], cu_seqlens[n+1])`` of the T tokens is an independent sequence. Returns
+    (fp32 preferred; fp64 with fp64 inputs) starts each sequence, zero if None. With ``cu_seqlens`` (int [N+1],
+    B == 1) each range ``[cu_seqlens[n], cu_seqlens[n+1])`` of the T tokens is an independent sequence. Returns
     ``o`` [B, T, H, Vd] in q's dtype and, if ``output_final_state``, the final states [N, H, Kd, Vd] in
-    ``compute_dtype(q.dtype)`` (fp64 for fp64 q, else fp32; None if not asked for). Differentiable in q, k, v, g, beta and initial_state.
+    ``compute_dtype(q.dtype)`` (fp64 for fp64 q, else fp32; None if not asked for). Differentiable in q, k, v, g,
+    beta and initial_state.
     """
     lengths = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return unchecked_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -155,8 +157,9 @@ def _plan(lengths: tuple[int, ...], device: torch.device) -> _ChunkPlan:
 
 def _torch_path(q, k, v, g, beta, *, scale, initial_state, lengths, output_final_state):
     """``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences, all of one dtype (fp32
-    or fp64, the math's) -> (o [T, H, Vd], final states [N, H, Kd, Vd] or None) in it. One-token sequences (a tree's padding slots, single-token segments) in
-    closed form, the others chunked: a chunk of 64 rows per one-token sequence would multiply their work by 64."""
+    or fp64, the math's) -> (o [T, H, Vd], final states [N, H, Kd, Vd] or None) in it. One-token sequences (a
+    tree's padding slots, single-token segments) in closed form, the others chunked: a chunk of 64 rows per
+    one-token sequence would multiply their work by 64."""
     lens = np.asarray(lengths, np.int64)
     single = lens == 1
     if not single.any():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tree.linear_attention.checks import check_carried, check_finite, check_floating, check_shape, compute_dtype
+from megatron_tree.linear_attention.checks import (check_carried, check_finite, check_floating, check_shape,
+                                                   compute_dtype)
 from megatron_tree.linear_attention.chunked_delta_rule import unchecked_chunk_gated_delta_rule
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout
 

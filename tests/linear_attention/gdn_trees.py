@@ -139,7 +139,8 @@ def path_layout(subtree_end: torch.Tensor, conv_kernel: int) -> tuple[torch.Tens
     paths, owner = leaf_paths(subtree_end)
     cu = torch.tensor([0, *np.cumsum([p.shape[0] for p in paths])])
     owned = np.concatenate([owner[p] == n for n, p in enumerate(paths)])
-    return torch.from_numpy(np.concatenate(paths)), torch.from_numpy(owned), packed_scan_layout(cu, conv_kernel=conv_kernel)
+    index = torch.from_numpy(np.concatenate(paths))
+    return index, torch.from_numpy(owned), packed_scan_layout(cu, conv_kernel=conv_kernel)
 
 
 def scan_results(layout, inputs, weight, heads: int, dk: int, paths=None) -> list[torch.Tensor]:
@@ -150,7 +151,8 @@ def scan_results(layout, inputs, weight, heads: int, dk: int, paths=None) -> lis
         o = gdn_scan(layout, *inputs, heads=heads, dk=dk)
     else:
         index, owned = paths
-        o_paths = gdn_scan(layout, inputs[0][index], inputs[1][index], inputs[2][index], *inputs[3:], heads=heads, dk=dk)
+        x, a, b = (z[index] for z in inputs[:3])
+        o_paths = gdn_scan(layout, x, a, b, *inputs[3:], heads=heads, dk=dk)
         o = o_paths.new_empty((inputs[0].shape[0],) + o_paths.shape[1:])
         o[index[owned]] = o_paths[owned]
     return [o.detach(), *torch.autograd.grad((o * weight.to(o.dtype)).sum(), inputs)]

@@ -25,7 +25,8 @@ EXACT = 1e-11
 
 
 def _tree_and_paths(end, dtype=torch.float64, heads=HEADS, dk=DK, dv=DV, device="cpu", seed=0):
-    """(tree results, per-path results) of :func:`gdn_trees.scan_results` on the same inputs (drawn in fp32: exact in both dtypes) in ``dtype``."""
+    """(tree results, per-path results) of :func:`gdn_trees.scan_results` on the same inputs (drawn in fp32: exact
+    in both dtypes) in ``dtype``."""
     inputs = scan_inputs(end.shape[0], heads, dk, dv, KERNEL, seed=seed, dtype=dtype, device=device)
     weight = torch.randn(end.shape[0], heads, dv, generator=torch.Generator().manual_seed(seed + 1),
                          dtype=torch.float64).to(device)

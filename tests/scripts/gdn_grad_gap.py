@@ -52,7 +52,8 @@ def gap_table(runs: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, f
 
 
 def layer_of(name: str) -> str:
-    """``decoder.layers.3.mlp...`` -> ``layer 3``; other parameters (embedding, final norm, output layer) -> ``other``."""
+    """``decoder.layers.3.mlp...`` -> ``layer 3``; the other parameters (embedding, final norm, output layer) ->
+    ``other``."""
     m = re.search(r"layers\.(\d+)\.", name)
     return f"layer {m.group(1)}" if m else "other"
 
@@ -65,7 +66,8 @@ def main(argv: list[str]) -> int:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     spec = "te" if have_transformer_engine() else "local"
     if fp64 and spec == "te":
-        print("gdn_grad_gap: --fp64 needs megatron-core's local spec (Transformer Engine's layers run no fp64): add --no-te")
+        print("gdn_grad_gap: --fp64 needs megatron-core's local spec (Transformer Engine's layers run no fp64): "
+              "add --no-te")
         return 2
     cols = ("own", "floor", "noise", "own_l2", "max")
     failed = 0
@@ -76,7 +78,8 @@ def main(argv: list[str]) -> int:
                 lp_err, runs = family_gradients(arch, work_dir, fp64=fp64)
             except Exception as e:  # one family's failure must not hide the others' results
                 traceback.print_exc()
-                print(f"{arch} spec={spec} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+                print(f"{arch} spec={spec} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                      flush=True)
                 failed += 1
                 continue
             table = gap_table(runs)
