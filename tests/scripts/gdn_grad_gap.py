@@ -7,8 +7,9 @@ Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/gdn_grad_gap
 when TE imports, ``--no-te`` megatron-core's local spec; runs on the CPU without CUDA (the reference numbers).
 ``--fp64`` (local spec only): the models cast to fp64 (the GDN scan then computes in fp64; log-probs stay fp32):
 ``own`` then shows what sharing changes beyond the fp32 log-prob op (which sums a shared slot's sequences' weights in
-fp32): on the CPU <= 7.8e-7 (qwen3_5) / 5.5e-7 (qwen3_next) against fp32's ~6e-6, ``floor`` <= 6e-15. A defect of the
-tree path would not shrink with fp64: fp64 ``own`` near 1e-6 on the GPU says the fp32 gap is rounding.
+fp32): on the CPU <= 1.7e-7 on every parameter alike (GDN or not) against fp32's ~6e-6, ``floor`` <= 3.2e-14, ``noise``
+<= 6.3e-15. A defect of the tree path would not shrink with fp64: fp64 ``own`` ~1e-7 on the GPU says the fp32 gap is
+rounding.
 Prints per family ``ARCH spec=... device=... dtype=...``, then per parameter ``own`` (tree vs unshared: what sharing
 changes), ``floor`` (unshared vs upstream per sequence: two implementations' rounding), ``noise`` (tree vs itself in
 one micro-batch: same segments, same scan chunks), each ``max|a - b| / max|b|``, ``own_l2`` (``||tree - unshared|| /
