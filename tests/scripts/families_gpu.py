@@ -67,7 +67,8 @@ def family_gradients(arch: str, work_dir: str, fp64: bool = False) -> tuple[floa
     path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, arch), **overrides)
     seqs = branching_forest()
     mbs = micro_batches(seqs)
-    tree = build_model(path, tree=True, recompute="full")[0].to(torch.float64 if fp64 else torch.float32)
+    tree = build_model(path, tree=True, recompute="full")[0]
+    tree = tree.double() if fp64 else tree
     with torch.no_grad():
         lp_err = max_diff(tree_logprobs(tree.eval(), mbs), hf_logprobs(path, seqs))
     tree.train()
@@ -82,7 +83,7 @@ def family_gradients(arch: str, work_dir: str, fp64: bool = False) -> tuple[floa
     # The reference runs megatron-core's unfused RoPE: its fused MLA RoPE (a Triton kernel, TE spec) does not
     # compile on the GPU host's Triton 3.6 (CompilationError), and the tree model runs unfused RoPE for MLA anyway.
     flat = build_model(path, tree=False, extra_args={"apply_rope_fusion": False})[0].train()
-    flat = flat.to(torch.float64 if fp64 else torch.float32)
+    flat = flat.double() if fp64 else flat
     weighted_sum(flat_logprobs(flat, seqs)).backward()
     runs["upstream"] = param_grads(flat)
     return lp_err, runs
