@@ -207,6 +207,18 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
+def _chunk_decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decay factors of each chunk from ``g`` [C, H, CHUNK] (log decays, zero past a sequence's end), with G the
+    in-chunk cumulative sum of g: ``exp(G_r - G_s)`` [C, H, CHUNK, CHUNK] (0 for s > r), ``exp(G)``, ``exp(G_last -
+    G)`` [C, H, CHUNK] and ``exp(G_last)`` [C, H, 1], in g's dtype. In fp32 the differences of G cancel (|G| grows
+    along the chunk): the largest rounding of the chunked rule, at a chunk's end."""
+    log_decay = g.cumsum(-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).tril()
+    pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+    last = log_decay[..., -1:]
+    return pair, log_decay.exp(), (last - log_decay).exp(), last.exp()
+
+
 def _chunked_torch(q, k, v, g, beta, *, scale, initial_state, lengths):
     """``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences, all fp32 or all fp64 ->
     (o [T, H, Vd], final states [N, H, Kd, Vd]), both in that dtype."""
@@ -218,18 +230,15 @@ def _chunked_torch(q, k, v, g, beta, *, scale, initial_state, lengths):
         return padded[plan.token].movedim(1, 2)
 
     q, k, v, g, beta = map(chunked, (q, k, v, g, beta))
-    log_decay = g.cumsum(-1)  # G [C, H, CHUNK]
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+    pair_decay, from_start, to_end, whole = _chunk_decays(g)
     k_beta = k * beta[..., None]
     a = ((k_beta @ k.mT) * pair_decay).tril(-1)
-    rhs = torch.cat([v * beta[..., None], k_beta * log_decay.exp()[..., None]], -1)
+    rhs = torch.cat([v * beta[..., None], k_beta * from_start[..., None]], -1)
     u0, w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
     attn = (q @ k.mT) * pair_decay * scale
-    q_decayed = q * (log_decay.exp() * scale)[..., None]
-    last = log_decay[..., -1:]
-    k_to_end = k * (last - log_decay).exp()[..., None]
-    chunk_decay = last.exp()[..., None]  # [C, H, 1, 1]
+    q_decayed = q * (from_start * scale)[..., None]
+    k_to_end = k * to_end[..., None]
+    chunk_decay = whole[..., None]  # [C, H, 1, 1]
 
     n = len(lengths)
     state = (q.new_zeros(n, h, dk, dv) if initial_state is None else initial_state.to(q.dtype))[plan.by_rank]

@@ -7,6 +7,7 @@ P = slots of all root paths laid end to end.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from forests import dfs_layout, random_subtree_end
 
+import megatron_tree.linear_attention.chunked_delta_rule as chunk_module
 from megatron_tree.linear_attention import TreeScanLayout, packed_scan_layout, tree_causal_conv1d, tree_gated_delta_rule
 
 
@@ -156,3 +158,16 @@ def scan_results(layout, inputs, weight, heads: int, dk: int, paths=None) -> lis
         o = o_paths.new_empty((inputs[0].shape[0],) + o_paths.shape[1:])
         o[index[owned]] = o_paths[owned]
     return [o.detach(), *torch.autograd.grad((o * weight.to(o.dtype)).sum(), inputs)]
+
+
+@contextlib.contextmanager
+def decays_in_fp64():
+    """Inside the block the chunked rule's decay factors (``chunked_delta_rule._chunk_decays``: the in-chunk cumulative
+    log decay and its exps) are computed in fp64 and cast back, the rest unchanged: what fp32 results become without
+    that cancellation (an experiment, not a mode of the library)."""
+    real = chunk_module._chunk_decays
+    chunk_module._chunk_decays = lambda g: tuple(x.to(g.dtype) for x in real(g.double()))
+    try:
+        yield
+    finally:
+        chunk_module._chunk_decays = real
