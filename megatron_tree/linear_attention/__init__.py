@@ -12,8 +12,10 @@ Layer: torch and numpy only, imports :mod:`megatron_tree.core` at most (no Megat
   semantics; PyTorch chunked path, fla on CUDA).
 - :mod:`~megatron_tree.linear_attention.tree_delta_rule`: :func:`tree_gated_delta_rule`, one
   chunked call per level.
+- :func:`compute_dtype`: what the PyTorch paths compute in (fp64 for fp64 inputs, the exactness checks; else fp32).
 """
 
+from megatron_tree.linear_attention.checks import compute_dtype
 from megatron_tree.linear_attention.causal_conv import tree_causal_conv1d, tree_conv_windows
 from megatron_tree.linear_attention.chunked_delta_rule import chunk_gated_delta_rule
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout, packed_scan_layout, tree_scan_layout
@@ -22,6 +24,7 @@ from megatron_tree.linear_attention.tree_delta_rule import tree_gated_delta_rule
 __all__ = [
     "TreeScanLayout",
     "chunk_gated_delta_rule",
+    "compute_dtype",
     "packed_scan_layout",
     "tree_causal_conv1d",
     "tree_conv_windows",

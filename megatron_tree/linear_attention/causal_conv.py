@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tree.linear_attention.checks import check_carried, check_finite, check_floating, check_shape
+from megatron_tree.linear_attention.checks import (check_carried, check_finite, check_floating, check_shape,
+                                                   compute_dtype)
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout
 
 __all__ = ["tree_causal_conv1d", "tree_conv_windows"]
@@ -21,7 +22,8 @@ __all__ = ["tree_causal_conv1d", "tree_conv_windows"]
 
 def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        layout: TreeScanLayout, carried_windows: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal depthwise conv of ``x`` [T, D] along every slot's root path -> [T, D] in x's dtype (fp32 math).
+    """Causal depthwise conv of ``x`` [T, D] along every slot's root path -> [T, D] in x's dtype (math in fp64 for
+    fp64 ``x``, else fp32).
 
     ``weight`` [D, K] is ``nn.Conv1d(D, D, K, groups=D).weight.squeeze(1)``, ``bias`` [D] or None, and
     ``layout`` comes from ``tree_scan_layout(subtree_end, conv_kernel=K, ...)``. ``carried_windows``
@@ -71,22 +73,22 @@ class _TreeCausalConv1d(torch.autograd.Function):
         ctx.save_for_backward(x, weight, ancestors)
         ctx.bias_dtype = None if bias is None else bias.dtype
         xp = _padded(x)
-        w = weight.float()
+        w = weight.to(xp.dtype)
         own = x.shape[0] - ancestors.shape[0]
         y = xp[own:-1] * w[:, -1]
         for c in range(ancestors.shape[1]):
             y = y + xp[ancestors[:, c]] * w[:, c]
         if bias is not None:
-            y = y + bias.float()
+            y = y + bias.to(xp.dtype)
         return y.to(x.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, weight, ancestors = ctx.saved_tensors
-        dy = dy.float()
         xp = _padded(x)
-        w = weight.float()
+        dy = dy.to(xp.dtype)
+        w = weight.to(xp.dtype)
         own = x.shape[0] - ancestors.shape[0]
         dx = torch.zeros_like(xp)
         dx[own:-1] = dy * w[:, -1]
@@ -100,5 +102,6 @@ class _TreeCausalConv1d(torch.autograd.Function):
 
 
 def _padded(x: torch.Tensor) -> torch.Tensor:
-    """fp32 [N + 1, D]: x then a zero row (what a missing ancestor reads)."""
-    return torch.cat([x.float(), x.new_zeros((1, x.shape[1]), dtype=torch.float32)])
+    """[N + 1, D] in ``compute_dtype(x.dtype)``: x then a zero row (what a missing ancestor reads)."""
+    dtype = compute_dtype(x.dtype)
+    return torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])

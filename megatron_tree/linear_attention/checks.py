@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_carried", "check_floating", "check_finite", "check_shape"]
+__all__ = ["check_carried", "check_floating", "check_finite", "check_shape", "compute_dtype"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the PyTorch paths of the ops compute in for inputs of ``dtype``: fp64 for fp64 (the exactness checks),
+    else fp32 (fp32, bf16, fp16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_floating(**tensors: torch.Tensor | None) -> None:
@@ -15,7 +21,7 @@ def check_floating(**tensors: torch.Tensor | None) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor (fp32, bf16 or fp16), got dtype {x.dtype}")
+            raise ValueError(f"{name} must be a floating-point tensor (fp64, fp32, bf16 or fp16), got dtype {x.dtype}")
 
 
 def check_shape(name: str, x: torch.Tensor, expected: tuple[int | None, ...], meaning: str) -> None:

@@ -23,8 +23,9 @@ flash-linear-attention's Triton kernels (``fla.ops.gated_delta_rule``) run only 
 :data:`FLA_DTYPES`, on CUDA, where fla imports: none yet, as no GPU test has compared them. On the H200 host
 (triton 3.6) fla 0.6.0 refuses itself: "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results
 for gated chunk_bwd_dqkwg (see #640)" (``benchmarks/fla_probe.py``); our first tree test there stopped at an
-illegal memory access in its varlen backward. Elsewhere the PyTorch path below (fp32 math, autograd backward),
-exact on CPU and GPU. fp32 never goes to fla: its Triton dots take TF32."""
+illegal memory access in its varlen backward. Elsewhere the PyTorch path below (autograd backward; fp64
+math for fp64 inputs, the exactness checks, else fp32), exact on CPU and GPU. fp32 never goes to fla: its Triton
+dots take TF32."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_tree.linear_attention.checks import check_finite, check_floating, check_shape
+from megatron_tree.linear_attention.checks import check_finite, check_floating, check_shape, compute_dtype
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_gated_delta_rule
@@ -68,10 +69,11 @@ def chunk_gated_delta_rule(
     ``beta`` [B, T, H] (module docstring), as ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
 
     ``scale`` defaults to ``Kd ** -0.5`` (no l2 norm is applied here). ``initial_state`` [N, H, Kd, Vd]
-    (fp32 preferred) starts each sequence, zero if None. With ``cu_seqlens`` (int [N+1], B == 1) each
-    range ``[cu_seqlens[n], cu_seqlens[n+1])`` of the T tokens is an independent sequence. Returns
-    ``o`` [B, T, H, Vd] in q's dtype and, if ``output_final_state``, the final states [N, H, Kd, Vd] fp32
-    (else None). Differentiable in q, k, v, g, beta and initial_state.
+    (fp32 preferred; fp64 with fp64 inputs) starts each sequence, zero if None. With ``cu_seqlens`` (int [N+1],
+    B == 1) each range ``[cu_seqlens[n], cu_seqlens[n+1])`` of the T tokens is an independent sequence. Returns
+    ``o`` [B, T, H, Vd] in q's dtype and, if ``output_final_state``, the final states [N, H, Kd, Vd] in
+    ``compute_dtype(q.dtype)`` (fp64 for fp64 q, else fp32; None if not asked for). Differentiable in q, k, v, g,
+    beta and initial_state.
     """
     lengths = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return unchecked_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -101,7 +103,8 @@ def unchecked_chunk_gated_delta_rule(
         return _fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     b, t, h, _ = q.shape
-    flat = [x.reshape((b * t, h) + x.shape[3:]).float() for x in (q, k, v, g, beta)]
+    dtype = compute_dtype(q.dtype)
+    flat = [x.reshape((b * t, h) + x.shape[3:]).to(dtype) for x in (q, k, v, g, beta)]
     o, final = _torch_path(*flat, scale=scale, initial_state=initial_state, lengths=lengths,
                            output_final_state=output_final_state)
     return o.reshape(v.shape).to(q.dtype), final
@@ -153,9 +156,10 @@ def _plan(lengths: tuple[int, ...], device: torch.device) -> _ChunkPlan:
 
 
 def _torch_path(q, k, v, g, beta, *, scale, initial_state, lengths, output_final_state):
-    """fp32 ``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences -> (o [T, H, Vd],
-    final states [N, H, Kd, Vd] or None). One-token sequences (a tree's padding slots, single-token segments) in
-    closed form, the others chunked: a chunk of 64 rows per one-token sequence would multiply their work by 64."""
+    """``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences, all of one dtype (fp32
+    or fp64, the math's) -> (o [T, H, Vd], final states [N, H, Kd, Vd] or None) in it. One-token sequences (a
+    tree's padding slots, single-token segments) in closed form, the others chunked: a chunk of 64 rows per
+    one-token sequence would multiply their work by 64."""
     lens = np.asarray(lengths, np.int64)
     single = lens == 1
     if not single.any():
@@ -165,7 +169,7 @@ def _torch_path(q, k, v, g, beta, *, scale, initial_state, lengths, output_final
     one = torch.from_numpy((np.cumsum(lens) - 1)[single]).to(device)  # the token of each one-token sequence
     rest = torch.from_numpy(np.flatnonzero(np.repeat(~single, lens))).to(device)
     by_kind = [torch.from_numpy(np.flatnonzero(single)).to(device), torch.from_numpy(np.flatnonzero(~single)).to(device)]
-    s0 = [None, None] if initial_state is None else [initial_state.float()[i] for i in by_kind]
+    s0 = [None, None] if initial_state is None else [initial_state.to(q.dtype)[i] for i in by_kind]
     o1, f1 = _one_token(q[one], k[one], v[one], g[one], beta[one], scale=scale, initial_state=s0[0],
                         output_final_state=output_final_state)
     if rest.numel():
@@ -203,9 +207,21 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
+def _chunk_decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decay factors of each chunk from ``g`` [C, H, CHUNK] (log decays, zero past a sequence's end), with G the
+    in-chunk cumulative sum of g: ``exp(G_r - G_s)`` [C, H, CHUNK, CHUNK] (0 for s > r), ``exp(G)``, ``exp(G_last -
+    G)`` [C, H, CHUNK] and ``exp(G_last)`` [C, H, 1], in g's dtype. In fp32 the differences of G cancel (|G| grows
+    along the chunk): the largest rounding of the chunked rule, at a chunk's end."""
+    log_decay = g.cumsum(-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).tril()
+    pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+    last = log_decay[..., -1:]
+    return pair, log_decay.exp(), (last - log_decay).exp(), last.exp()
+
+
 def _chunked_torch(q, k, v, g, beta, *, scale, initial_state, lengths):
-    """fp32 ``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences ->
-    (o [T, H, Vd], final states [N, H, Kd, Vd]), both fp32."""
+    """``q``, ``k`` [T, H, Kd], ``v`` [T, H, Vd], ``g``, ``beta`` [T, H] of N packed sequences, all fp32 or all fp64 ->
+    (o [T, H, Vd], final states [N, H, Kd, Vd]), both in that dtype."""
     plan = _plan(lengths, q.device)
     h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
 
@@ -214,21 +230,18 @@ def _chunked_torch(q, k, v, g, beta, *, scale, initial_state, lengths):
         return padded[plan.token].movedim(1, 2)
 
     q, k, v, g, beta = map(chunked, (q, k, v, g, beta))
-    log_decay = g.cumsum(-1)  # G [C, H, CHUNK]
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+    pair_decay, from_start, to_end, whole = _chunk_decays(g)
     k_beta = k * beta[..., None]
     a = ((k_beta @ k.mT) * pair_decay).tril(-1)
-    rhs = torch.cat([v * beta[..., None], k_beta * log_decay.exp()[..., None]], -1)
+    rhs = torch.cat([v * beta[..., None], k_beta * from_start[..., None]], -1)
     u0, w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
     attn = (q @ k.mT) * pair_decay * scale
-    q_decayed = q * (log_decay.exp() * scale)[..., None]
-    last = log_decay[..., -1:]
-    k_to_end = k * (last - log_decay).exp()[..., None]
-    chunk_decay = last.exp()[..., None]  # [C, H, 1, 1]
+    q_decayed = q * (from_start * scale)[..., None]
+    k_to_end = k * to_end[..., None]
+    chunk_decay = whole[..., None]  # [C, H, 1, 1]
 
     n = len(lengths)
-    state = (q.new_zeros(n, h, dk, dv) if initial_state is None else initial_state.float())[plan.by_rank]
+    state = (q.new_zeros(n, h, dk, dv) if initial_state is None else initial_state.to(q.dtype))[plan.by_rank]
     done, start_states, new_values = [], [], []
     first = 0
     for count in plan.steps:

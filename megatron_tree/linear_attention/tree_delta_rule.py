@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tree.linear_attention.checks import check_carried, check_finite, check_floating, check_shape
+from megatron_tree.linear_attention.checks import (check_carried, check_finite, check_floating, check_shape,
+                                                   compute_dtype)
 from megatron_tree.linear_attention.chunked_delta_rule import unchecked_chunk_gated_delta_rule
 from megatron_tree.linear_attention.scan_layout import TreeScanLayout
 
@@ -31,7 +32,8 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     ``Kd ** -0.5`` (no l2 norm inside). Semantics per path: ``chunk_gated_delta_rule`` (fla's) from a zero
     state, or, for slots hanging from a chunk's context, from ``initial_states`` [R, H, Kd, Vd] (R =
     ``layout.num_carried`` > 0 only: the states the earlier chunks' scans ended with at the carried slots).
-    ``output_states``: return ``(o, states [Q, H, Kd, Vd] fp32)``, the states at ``layout.state_exports``.
+    ``output_states``: return ``(o, states [Q, H, Kd, Vd])``, the states at ``layout.state_exports``, in
+    ``compute_dtype(q.dtype)`` (fp64 for fp64 inputs, the math's dtype then, else fp32).
     Differentiable in q, k, v, g, beta and initial_states.
     """
     check_floating(q=q, k=k, v=v, g=g, beta=beta, initial_states=initial_states)
@@ -51,10 +53,11 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                          f"{sorted(map(str, devices))}; move the layout with layout.to(q.device)")
     check_finite(q=q, k=k, v=v, g=g, beta=beta, initial_states=initial_states)
 
+    dtype = compute_dtype(q.dtype)
     final = None
     if r:  # level 0 starts from the carried states, or from the zero row R
-        final = torch.cat([initial_states.float(), initial_states.new_zeros((1,) + initial_states.shape[1:],
-                                                                            dtype=torch.float32)])
+        final = torch.cat([initial_states.to(dtype), initial_states.new_zeros((1,) + initial_states.shape[1:],
+                                                                              dtype=dtype)])
     outputs, picks = [], []
     for level in range(layout.num_levels):
         slots = layout.level_slots[level]
@@ -69,6 +72,6 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         )
         outputs.append(o[0])
         if output_states:
-            picks.append(final[exports] if exports.numel() else o.new_zeros((0, h, dk, v.shape[2]), dtype=torch.float32))
+            picks.append(final[exports] if exports.numel() else o.new_zeros((0, h, dk, v.shape[2]), dtype=dtype))
     o = torch.cat(outputs)[layout.scan_position]
     return (o, torch.cat(picks)[layout.export_order]) if output_states else o

@@ -44,6 +44,7 @@ from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.linear_attention import (
     TreeScanLayout,
     chunk_gated_delta_rule,
+    compute_dtype,
     packed_scan_layout,
     tree_causal_conv1d,
     tree_conv_windows,
@@ -71,8 +72,8 @@ def check_gated_delta_net_config(config: TransformerConfig) -> None:
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
+    xc = x.to(compute_dtype(x.dtype))
+    return (xc * torch.rsqrt(xc.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
 
 
 def _scan_layout_preparer(conv_kernel: int) -> TreeAttentionBackend:
@@ -243,7 +244,8 @@ class TreeGatedDeltaNet(MegatronModule):
         if group > 1:
             query = query.repeat_interleave(group, dim=2)
             key = key.repeat_interleave(group, dim=2)
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, Hv]
+        dtype = compute_dtype(self.A_log.dtype)  # fp32, or fp64 for an fp64 model (the exactness checks)
+        g = -self.A_log.to(dtype).exp() * F.softplus(alpha.to(dtype) + self.dt_bias.to(dtype))  # [b, s, Hv]
         beta = beta.sigmoid()
         if tree and layout.state_exports.size:
             out, kept = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], layout, initial_states=states,

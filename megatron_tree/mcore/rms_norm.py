@@ -15,7 +15,8 @@ __all__ = ["RMSNorm"]
 
 
 class RMSNorm(torch.nn.Module):
-    """``y = x / sqrt(mean(x²) + eps) * g`` over the last dim, computed in fp32 and cast back to ``x``'s dtype;
+    """``y = x / sqrt(mean(x²) + eps) * g`` over the last dim, computed in fp32 (fp64 for fp64 ``x``: the exactness
+    checks) and cast back to ``x``'s dtype;
     ``g = 1 + weight`` when ``config.layernorm_zero_centered_gamma`` (weight starts at 0), else ``weight`` (starts
     at 1). ``x [..., hidden_size]``."""
 
@@ -34,7 +35,7 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        gamma = self.weight.float() + 1.0 if self.zero_centered_gamma else self.weight.float()
-        return (y * gamma).to(x.dtype)
+        xc = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.to(xc.dtype)
+        return (y * (weight + 1.0 if self.zero_centered_gamma else weight)).to(x.dtype)

@@ -1,13 +1,16 @@
 """``TreeGatedDeltaNet`` with THD ``packed_seq_params`` (the flat baseline of Megatron's sequence packing): every packed
-sequence equals that sequence run alone, outputs and gradients (CPU, fp32), and bad packing is refused.
+sequence equals that sequence run alone, outputs and gradients (CPU, fp32), and bad packing is refused. In fp64 (the
+layer cast) a tree equals its sequences packed to 1e-12.
 
 The sequences: one longer than a 64-token chunk of the scan, one shorter than the conv window, one of a single token.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from forests import dfs_layout
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet
@@ -59,6 +62,50 @@ def test_packed_sequences_equal_each_sequence_alone(layer):
     # the row as one sequence (no reset at the sequence starts) is far off: the comparison can fail
     whole = outputs_and_grads(layer, x, lambda x: layer(x, None)[0])
     assert (whole[0] - want[0]).abs().max() > 1e-3 * want[0].abs().max()
+
+
+def test_fp64_tree_equals_its_sequences_packed(layer):
+    """The layer in fp64 (its conv, l2 norm, decay and scan then compute in fp64): a tree as an interval-vector mask
+    (a prompt with a short sibling before a 70-token branch, a branch off that one, a strict prefix, a second root)
+    vs its sequences packed (THD, each alone): every slot's output (from the first sequence through it) and the
+    gradients of the input and of every parameter within 1e-12 relative; a sibling's token changed is far off."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(10, 1000, 20).tolist()
+    long = prompt + [3] + rng.integers(10, 1000, 70).tolist()
+    seqs = [prompt + [1, 5, 6], long, long[:50] + [4] + rng.integers(10, 1000, 9).tolist(), prompt[:8],
+            rng.integers(10, 1000, 12).tolist()]
+    end, paths = dfs_layout(seqs)
+    index = torch.tensor(sum(paths, []))
+    owned = torch.zeros(index.shape[0], dtype=torch.bool)
+    owned[np.unique(index.numpy(), return_index=True)[1]] = True
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(end.shape[0], 1, layer.hidden_size, generator=gen, dtype=torch.float64)
+    weight = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+
+    def run(x, tree):
+        for p in layer.parameters():
+            p.grad = None
+        x = x.detach().requires_grad_()
+        if tree:
+            out = layer(x, end[None])[0]
+        else:
+            packed = layer(x[index], None, packed_seq_params=thd([len(p) for p in paths]))[0]
+            out = packed.new_empty(x.shape)
+            out[index[owned]] = packed[owned]
+        (out * weight).sum().backward()
+        return {"out": out.detach(), "x": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
+
+    layer.double()  # fp32 -> fp64 -> fp32 gives back the same weights
+    try:
+        tree, packed = run(x, True), run(x, False)
+        moved = x.clone()
+        moved[paths[0][-1]] += 1  # the short sibling's last token: a slot no other sequence reads
+        wrong = run(moved, True)
+    finally:
+        layer.float()
+    errors = {n: float((tree[n] - w).abs().max() / w.abs().max()) for n, w in packed.items()}
+    assert tree["out"].dtype == torch.float64 and max(errors.values()) < 1e-12, errors
+    assert (wrong["out"] - packed["out"]).abs().max() > 1e-3 * packed["out"].abs().max()
 
 
 def test_layout_is_built_once_per_micro_batch(layer, monkeypatch):

@@ -56,35 +56,48 @@ cumulative sums (fp32 cancellation, whatever the packing); held to ``DECAY_TOL``
 DECAY_TOL = 3 * TOL
 
 
-def check(arch: str, work_dir: str) -> dict[str, float | str]:
+def family_gradients(arch: str, work_dir: str, fp64: bool = False) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
     """One family (an arch of ``TINY_ARCHS`` / ``OTHER_TINY_ARCHS`` or a sliding-window case of
-    ``SLIDING_WINDOW_CASES``): ``logprob`` max |tree - HF|; relative gradient errors (full recompute) outside
-    :data:`DECAY` / over it (0 without GDN layers) of the tree vs the upstream model run per sequence (``grad`` /
-    ``decay_grad``, ``worst`` the parameter with the largest), of the same tree model run with no sharing (each
-    sequence its own tree) vs upstream (``floor``: the two implementations' fp32 rounding, no tree in it) and of the
-    tree vs that unshared run (``own``: what sharing alone changes) and of the tree vs itself packed into one
-    micro-batch instead of several (``noise``: the same trees, other kernel shapes: fp32 rounding alone)."""
+    ``SLIDING_WINDOW_CASES``) on :func:`branching_forest`: (max |tree log-prob - HF|, parameter gradients by run):
+    ``tree`` (the tree model, full recompute, one micro-batch at a time), ``repacked`` (the same trees in one
+    micro-batch), ``unshared`` (the same model, each sequence its own tree) and ``upstream`` (megatron-core's model,
+    each sequence alone). ``fp64``: both models cast to fp64 after loading (megatron-core's local spec; log-probs
+    and a few elementwise ops stay fp32)."""
     base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))
     path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, arch), **overrides)
     seqs = branching_forest()
     mbs = micro_batches(seqs)
     tree = build_model(path, tree=True, recompute="full")[0]
+    tree = tree.double() if fp64 else tree
     with torch.no_grad():
         lp_err = max_diff(tree_logprobs(tree.eval(), mbs), hf_logprobs(path, seqs))
     tree.train()
     for mb in mbs:  # one micro-batch at a time, as training does
         weighted_sum(tree_logprobs(tree, [mb])).backward()
-    got = param_grads(tree)
+    runs = {"tree": param_grads(tree)}
     weighted_sum(tree_logprobs(tree, micro_batches(seqs, max_tokens=len(sum(seqs, []))))).backward()  # one micro-batch
-    repacked = param_grads(tree)
+    runs["repacked"] = param_grads(tree)
     for sid, seq in enumerate(seqs):  # no sharing: each sequence its own tree
         weighted_sum({sid: tree_logprobs(tree, micro_batches([seq]))[0]}).backward()
-    unshared = param_grads(tree)
+    runs["unshared"] = param_grads(tree)
     # The reference runs megatron-core's unfused RoPE: its fused MLA RoPE (a Triton kernel, TE spec) does not
     # compile on the GPU host's Triton 3.6 (CompilationError), and the tree model runs unfused RoPE for MLA anyway.
     flat = build_model(path, tree=False, extra_args={"apply_rope_fusion": False})[0].train()
+    flat = flat.double() if fp64 else flat
     weighted_sum(flat_logprobs(flat, seqs)).backward()
-    want = param_grads(flat)
+    runs["upstream"] = param_grads(flat)
+    return lp_err, runs
+
+
+def check(arch: str, work_dir: str) -> dict[str, float | str]:
+    """One family (:func:`family_gradients`): ``logprob`` max |tree - HF|; relative gradient errors outside
+    :data:`DECAY` / over it (0 without GDN layers) of the tree vs the upstream model run per sequence (``grad`` /
+    ``decay_grad``, ``worst`` the parameter with the largest), of the same tree model run with no sharing (each
+    sequence its own tree) vs upstream (``floor``: the two implementations' fp32 rounding, no tree in it) and of the
+    tree vs that unshared run (``own``: what sharing alone changes) and of the tree vs itself packed into one
+    micro-batch instead of several (``noise``: the same trees, other kernel shapes: fp32 rounding alone)."""
+    lp_err, runs = family_gradients(arch, work_dir)
+    got, repacked, unshared, want = (runs[k] for k in ("tree", "repacked", "unshared", "upstream"))
 
     def errors(a, b):
         errs = {n: relative_grad_error({n: a[n]}, {n: b[n]}) for n in b}

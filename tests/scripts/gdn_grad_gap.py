@@ -1,0 +1,114 @@
+"""Where the Gated DeltaNet families' gradient gap under sharing enters: per parameter, the tiny hybrid models' tree
+gradients against the same model run unshared (each sequence its own tree), and the other pairs families_gpu.py
+measures, one line per parameter, grouped by layer.
+
+Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/gdn_grad_gap.py WORK_DIR [--no-te [--fp64]]
+[--decay64] [ARCH ...] (ARCH: ``qwen3_next`` and ``qwen3_5`` by default). fp32, TF32 off on CUDA; the Transformer Engine spec
+when TE imports, ``--no-te`` megatron-core's local spec; runs on the CPU without CUDA (the reference numbers).
+``--fp64`` (local spec only): the models cast to fp64 (the GDN scan then computes in fp64; log-probs stay fp32):
+``own`` then shows what sharing changes beyond the fp32 log-prob op (which sums a shared slot's sequences' weights in
+fp32): on the CPU <= 1.7e-7 on every parameter alike (GDN or not) against fp32's ~6e-6, ``floor`` <= 3.2e-14, ``noise``
+<= 6.3e-15. A defect of the tree path would not shrink with fp64: fp64 ``own`` ~1e-7 on the GPU says the fp32 gap is
+rounding.
+``--decay64``: the chunked rule's decay factors alone in fp64 (``linear_attention.gdn_trees.decays_in_fp64``, an
+experiment): if fp32's ``own`` then falls to ``noise``'s size, the gap is the fp32 cancellation in each scan chunk's
+cumulative log decay (largest at a chunk's end; a tree's segments start chunks elsewhere than whole sequences). On the
+CPU it is not (the tiny models' sequences fit one chunk): own qwen3_next <= 6.4e-6 (6.2e-6 without), qwen3_5 <= 1.8e-5
+(5.6e-6 without; layer 1's dt_bias, a 4-element sum over every slot with cancellation, floor 1.2e-5).
+Prints per family ``ARCH spec=... device=... dtype=...``, then per parameter ``own`` (tree vs unshared: what sharing
+changes), ``floor`` (unshared vs upstream per sequence: two implementations' rounding), ``noise`` (tree vs itself in
+one micro-batch: same segments, same scan chunks), each ``max|a - b| / max|b|``, ``own_l2`` (``||tree - unshared|| /
+||unshared||``) and ``max|grad|``, then per layer the largest of each and the parameter with the largest ``own``;
+exits 1 when a family fails to build or run (the error on its line).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import traceback
+
+if "--no-te" in sys.argv:  # before megatron-core looks for TE: its imports then see none
+    sys.modules.update(transformer_engine=None, transformer_engine_torch=None)
+
+import contextlib  # noqa: E402
+
+import torch  # noqa: E402
+from linear_attention.gdn_trees import decays_in_fp64  # noqa: E402
+from scripts.families_gpu import family_gradients  # noqa: E402
+
+from megatron_tree.compat import apply_compat_patches  # noqa: E402
+from megatron_tree.core.platform import have_transformer_engine  # noqa: E402
+from megatron_tree.runtime import cpu_mode, destroy_distributed, init_cpu_distributed  # noqa: E402
+
+PAIRS = {"own": ("tree", "unshared"), "floor": ("unshared", "upstream"), "noise": ("tree", "repacked")}
+
+
+def gap_table(runs: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, float]]:
+    """Parameter name -> {``own``, ``floor``, ``noise`` (max-relative), ``own_l2`` (norm-relative), ``max``
+    (max |unshared gradient|)} from :func:`scripts.families_gpu.family_gradients`' runs."""
+    table = {}
+    for name, ref in runs["unshared"].items():
+        row = {}
+        for col, (a, b) in PAIRS.items():
+            x, y = runs[a][name].double(), runs[b][name].double()
+            row[col] = float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
+        tree, ref = runs["tree"][name].double(), ref.double()
+        row["own_l2"] = float((tree - ref).norm() / ref.norm().clamp_min(1e-30))
+        row["max"] = float(ref.abs().max())
+        table[name] = row
+    return table
+
+
+def layer_of(name: str) -> str:
+    """``decoder.layers.3.mlp...`` -> ``layer 3``; the other parameters (embedding, final norm, output layer) ->
+    ``other``."""
+    m = re.search(r"layers\.(\d+)\.", name)
+    return f"layer {m.group(1)}" if m else "other"
+
+
+def main(argv: list[str]) -> int:
+    work_dir, *archs = [a for a in argv if a not in ("--no-te", "--fp64", "--decay64")]
+    fp64, decay64 = "--fp64" in argv, "--decay64" in argv
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    spec = "te" if have_transformer_engine() else "local"
+    if fp64 and spec == "te":
+        print("gdn_grad_gap: --fp64 needs megatron-core's local spec (Transformer Engine's layers run no fp64): "
+              "add --no-te")
+        return 2
+    cols = ("own", "floor", "noise", "own_l2", "max")
+    failed = 0
+    with apply_compat_patches(), cpu_mode():
+        init_cpu_distributed(tp=1)
+        for arch in archs or ("qwen3_next", "qwen3_5"):
+            try:
+                with decays_in_fp64() if decay64 else contextlib.nullcontext():
+                    lp_err, runs = family_gradients(arch, work_dir, fp64=fp64)
+            except Exception as e:  # one family's failure must not hide the others' results
+                traceback.print_exc()
+                print(f"{arch} spec={spec} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                      flush=True)
+                failed += 1
+                continue
+            table = gap_table(runs)
+            print(f"{arch} spec={spec} device={'cuda' if cuda else 'cpu'} dtype={'fp64' if fp64 else 'fp32'}"
+                  f"{'+decay64' if decay64 else ''} logprob={lp_err:.3g}")
+            print(f"  {'parameter':66s}" + "".join(f"{c:>10s}" for c in cols))
+            layers: dict[str, dict[str, float]] = {}
+            for name, row in table.items():
+                print(f"  {name:66s}" + "".join(f"{row[c]:10.2e}" for c in cols))
+                worst = layers.setdefault(layer_of(name), dict.fromkeys(cols[:-1], 0.0))
+                for c in cols[:-1]:
+                    worst[c] = max(worst[c], row[c])
+            for layer, worst in layers.items():
+                print(f"  {arch} {layer}: " + " ".join(f"{c}={v:.2e}" for c, v in worst.items()))
+            top = max(table, key=lambda n: table[n]["own"])
+            print(f"  {arch} worst own: {top} " + " ".join(f"{c}={table[top][c]:.2e}" for c in cols), flush=True)
+        destroy_distributed()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
