@@ -2,6 +2,8 @@
 
     python benchmarks/plot_e2e.py benchmarks/results/e2e_qwen3-0.6b.json benchmarks/results/e2e_qwen3-moe-2b.json \
         --out benchmarks/results/e2e_h200.png
+    python benchmarks/plot_e2e.py benchmarks/results/te/e2e_chunks_grpo_{8k,16k}.json \
+        --out benchmarks/results/te/e2e_chunks.png   # trees larger than a micro-batch
 """
 
 import argparse
@@ -22,9 +24,10 @@ def main():
     rows = [r for res in results for r in res["rows"] if "speedup" in r]  # complete rows only
     flat = {"te_thd_cudnn": "Megatron THD packing, TE cuDNN attention", "tree_kernel_chains": "chains, same kernel"}
     baselines = sorted({flat.get(res.get("baseline"), "chains, same kernel") for res in results})
-    labels = [f"{r['model']}\n{r['workload']}" for r in rows]
+    labels = [f"{r['model']}\n{r['workload']}" + (f"\n{r['max_tokens_per_mb'] // 1024}k chunks" if r.get("chunk_trees") else "")
+              for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    fig, ax = plt.subplots(figsize=(max(1.6 * len(rows) + 2, 9), 4))
     ax.bar([i - 0.27 for i in x], [r["flop_ideal_speedup"] for r in rows], width=0.27, label="FLOP-ideal speedup")
     # The ideal of the trees as packed: a tree split over micro-batches computes its prefix once per part.
     ax.bar([i for i in x], [r["packed_flop_ideal_speedup"] for r in rows], width=0.27,
