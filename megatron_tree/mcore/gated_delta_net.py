@@ -39,7 +39,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_tree.attention.dispatch import PREPARED_MASKS, TreeAttentionBackend
+from megatron_tree.attention.dispatch import PREPARED_MASKS
 from megatron_tree.mcore.chunk_context import chunk_link
 from megatron_tree.linear_attention import (
     TreeScanLayout,
@@ -74,23 +74,6 @@ def check_gated_delta_net_config(config: TransformerConfig) -> None:
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     xc = x.to(compute_dtype(x.dtype))
     return (xc * torch.rsqrt(xc.pow(2).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
-
-
-def _scan_layout_preparer(conv_kernel: int) -> TreeAttentionBackend:
-    """A cache key for :data:`~megatron_tree.attention.dispatch.PREPARED_MASKS` whose ``prepare`` builds the
-    micro-batch's scan layout (the tree attention's prepared masks and it share one per-micro-batch cache); for a
-    chunk (``query_slots``: its own slots behind the context) with the state exports of the mask's chunk link."""
-
-    def refuse(*args, **kwargs):
-        raise TypeError("the Gated DeltaNet scan layout is not a tree attention backend")
-
-    def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None):
-        link = chunk_link(subtree_end)
-        return tree_scan_layout(subtree_end[0], conv_kernel=conv_kernel,
-                                context=0 if query_slots is None else subtree_end.shape[1] - query_slots.shape[0],
-                                state_exports=() if link is None else link.state_exports)
-
-    return TreeAttentionBackend(name=f"gdn-scan-k{conv_kernel}", prepare=prepare, attend=refuse, refusal=refuse)
 
 
 class TreeGatedDeltaNet(MegatronModule):
@@ -223,7 +206,10 @@ class TreeGatedDeltaNet(MegatronModule):
                     f"a tree attention_mask must be [1, C + s] = [1, {context + s}] (C = {context} context slots of a "
                     f"chunk) with hidden states of batch 1, got mask {tuple(attention_mask.shape)} and batch {b}"
                 )
-            layout = PREPARED_MASKS.get(_scan_layout_preparer(self.conv_kernel_dim), attention_mask, context=context)
+            k = self.conv_kernel_dim
+            layout = PREPARED_MASKS.lookup(attention_mask, ("gdn-scan", k, context), lambda: tree_scan_layout(
+                attention_mask[0], conv_kernel=k, context=context,
+                state_exports=() if link is None else link.state_exports))
             carried = None if link is None else link.carried_recurrent(self.layer_number)
             windows, states = (None, None) if carried is None else carried
             conv_input = qkv[0]
