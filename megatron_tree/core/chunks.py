@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_tree.core.masks import tree_parents
 from megatron_tree.core.microbatch import TreeChunk, TreeMicroBatch
 from megatron_tree.core.tree import TokenForest, build_forest, chain_forest
 
@@ -72,14 +73,6 @@ def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
     return np.asarray(bounds, np.int64)
 
 
-def _slot_parents(forest: TokenForest) -> np.ndarray:
-    """The parent slot of every slot, -1 for roots: int64 ``[G]``."""
-    parent = np.arange(forest.num_tokens, dtype=np.int64) - 1
-    up = forest.node_parent
-    parent[forest.node_start] = np.where(up >= 0, forest.node_start[up] + forest.node_len[up] - 1, -1)
-    return parent
-
-
 def build_chunks(
     seqs: list[np.ndarray],
     ids: list[int],
@@ -110,7 +103,7 @@ def build_chunks(
     chunk_of_entry = np.searchsorted(starts, paths, side="right") - 1
 
     # Parents of slots in a later chunk (ascending): what recurrent layers carry across chunks.
-    parent = _slot_parents(forest)
+    parent = tree_parents(torch.from_numpy(end)).numpy()
     chunk_of_slot = np.searchsorted(starts, np.arange(forest.num_tokens), side="right") - 1
     has_parent = parent >= 0
     crossing = has_parent & (chunk_of_slot[np.maximum(parent, 0)] != chunk_of_slot)

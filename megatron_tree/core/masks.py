@@ -69,6 +69,14 @@ def window_starts(subtree_end: torch.Tensor, window: int) -> torch.Tensor:
     return ordered[pos] - target * (t + 1)
 
 
+def tree_parents(subtree_end: torch.Tensor) -> torch.Tensor:
+    """The parent slot of every slot, int64 ``[T]`` (-1 for roots), from ``subtree_end`` [T] or [1, T]: its
+    ancestor one level up, the first slot of a sliding window of 2 (:func:`window_starts`). O(T log T), no host
+    sync."""
+    end = subtree_end.reshape(-1)
+    return torch.where(tree_depths(end) > 0, window_starts(end, 2), -1)
+
+
 def dense_tree_mask(
     subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None, window: int | None = None
 ) -> torch.Tensor:

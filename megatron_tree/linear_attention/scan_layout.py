@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_tree.core.masks import tree_depths, window_starts
+from megatron_tree.core.masks import tree_depths, tree_parents
 from megatron_tree.core.tree import concat_ranges
 
 __all__ = ["TreeScanLayout", "packed_scan_layout", "tree_scan_layout"]
@@ -295,14 +295,13 @@ def packed_scan_layout(cu_seqlens: torch.Tensor, *, conv_kernel: int) -> TreeSca
 def _parents(end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(parent [T], depth [T]) of a DFS interval encoding ``end`` [T]; ``ValueError`` if the intervals cross.
 
-    ``depth[i] = #{j : j < i < end[j]}`` (:func:`~megatron_tree.core.masks.tree_depths`); the parent of a slot is
-    its ancestor one level up, the first slot of a sliding window of 2
-    (:func:`~megatron_tree.core.masks.window_starts`).
+    ``depth[i] = #{j : j < i < end[j]}`` and the parents as :mod:`megatron_tree.core.masks` finds them
+    (:func:`~megatron_tree.core.masks.tree_depths`, :func:`~megatron_tree.core.masks.tree_parents`).
     """
     t = end.shape[0]
     end_t = torch.from_numpy(end)
     depth = tree_depths(end_t).numpy()
-    parent = np.where(depth > 0, window_starts(end_t, 2).numpy(), -1)
+    parent = tree_parents(end_t).numpy()
     # a valid encoding nests: the parent's subtree holds the slot's subtree
     child = np.flatnonzero(depth > 0)
     p = parent[child]
