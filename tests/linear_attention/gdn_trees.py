@@ -8,6 +8,7 @@ P = slots of all root paths laid end to end.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 
 import numpy as np
@@ -161,12 +162,20 @@ def scan_results(layout, inputs, weight, heads: int, dk: int, paths=None) -> lis
 
 
 @contextlib.contextmanager
-def decays_in_fp64():
+def decays_in_input_dtype():
     """Inside the block the chunked rule's decay factors (``chunked_delta_rule._chunk_decays``: the in-chunk cumulative
-    log decay and its exps) are computed in fp64 and cast back, the rest unchanged: what fp32 results become without
-    that cancellation (an experiment, not a mode of the library)."""
+    log decay and its exps) are computed in the input's dtype, as before the library moved them to fp64: the fault
+    that shows fp32's cancellation there (a test of the tests, not a mode of the library)."""
+
+    def in_dtype(g):
+        log_decay = g.cumsum(-1)
+        causal = torch.ones(g.shape[-1], g.shape[-1], dtype=torch.bool, device=g.device).tril()
+        pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+        last = log_decay[..., -1:]
+        return pair, log_decay.exp(), (last - log_decay).exp(), last.exp()
+
     real = chunk_module._chunk_decays
-    chunk_module._chunk_decays = lambda g: tuple(x.to(g.dtype) for x in real(g.double()))
+    chunk_module._chunk_decays = in_dtype
     try:
         yield
     finally:

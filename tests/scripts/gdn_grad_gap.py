@@ -3,18 +3,16 @@ gradients against the same model run unshared (each sequence its own tree), and 
 measures, one line per parameter, grouped by layer.
 
 Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/gdn_grad_gap.py WORK_DIR [--no-te [--fp64]]
-[--decay64] [ARCH ...] (ARCH: ``qwen3_next`` and ``qwen3_5`` by default). fp32, TF32 off on CUDA; the Transformer Engine spec
+[--save DIR] [ARCH ...] (ARCH: ``qwen3_next`` and ``qwen3_5`` by default). fp32, TF32 off on CUDA; the Transformer Engine spec
 when TE imports, ``--no-te`` megatron-core's local spec; runs on the CPU without CUDA (the reference numbers).
 ``--fp64`` (local spec only): the models cast to fp64 (the GDN scan then computes in fp64; log-probs stay fp32):
 ``own`` then shows what sharing changes beyond the fp32 log-prob op (which sums a shared slot's sequences' weights in
 fp32): on the CPU <= 1.7e-7 on every parameter alike (GDN or not) against fp32's ~6e-6, ``floor`` <= 3.2e-14, ``noise``
 <= 6.3e-15. A defect of the tree path would not shrink with fp64: fp64 ``own`` ~1e-7 on the GPU says the fp32 gap is
 rounding.
-``--decay64``: the chunked rule's decay factors alone in fp64 (``linear_attention.gdn_trees.decays_in_fp64``, an
-experiment): if fp32's ``own`` then falls to ``noise``'s size, the gap is the fp32 cancellation in each scan chunk's
-cumulative log decay (largest at a chunk's end; a tree's segments start chunks elsewhere than whole sequences). On the
-CPU it is not (the tiny models' sequences fit one chunk): own qwen3_next <= 6.4e-6 (6.2e-6 without), qwen3_5 <= 1.8e-5
-(5.6e-6 without; layer 1's dt_bias, a 4-element sum over every slot with cancellation, floor 1.2e-5).
+``--save DIR``: also writes each family's gradients by run to ``DIR/ARCH-SPEC-DTYPE.pt`` (``{run: {parameter:
+tensor}}``, CPU), so that runs of different processes (the TE spec in fp32, the local spec in fp64: the truth) can be
+compared afterwards (``tests/scripts/gdn_truth.py``).
 Prints per family ``ARCH spec=... device=... dtype=...``, then per parameter ``own`` (tree vs unshared: what sharing
 changes), ``floor`` (unshared vs upstream per sequence: two implementations' rounding), ``noise`` (tree vs itself in
 one micro-batch: same segments, same scan chunks), each ``max|a - b| / max|b|``, ``own_l2`` (``||tree - unshared|| /
@@ -24,6 +22,7 @@ exits 1 when a family fails to build or run (the error on its line).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import traceback
@@ -31,10 +30,7 @@ import traceback
 if "--no-te" in sys.argv:  # before megatron-core looks for TE: its imports then see none
     sys.modules.update(transformer_engine=None, transformer_engine_torch=None)
 
-import contextlib  # noqa: E402
-
 import torch  # noqa: E402
-from linear_attention.gdn_trees import decays_in_fp64  # noqa: E402
 from scripts.families_gpu import family_gradients  # noqa: E402
 
 from megatron_tree.compat import apply_compat_patches  # noqa: E402
@@ -68,8 +64,9 @@ def layer_of(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    work_dir, *archs = [a for a in argv if a not in ("--no-te", "--fp64", "--decay64")]
-    fp64, decay64 = "--fp64" in argv, "--decay64" in argv
+    save = argv[argv.index("--save") + 1] if "--save" in argv else None
+    work_dir, *archs = [a for a in argv if a not in ("--no-te", "--fp64", "--save", save)]
+    fp64 = "--fp64" in argv
     cuda = torch.cuda.is_available()
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -84,17 +81,20 @@ def main(argv: list[str]) -> int:
         init_cpu_distributed(tp=1)
         for arch in archs or ("qwen3_next", "qwen3_5"):
             try:
-                with decays_in_fp64() if decay64 else contextlib.nullcontext():
-                    lp_err, runs = family_gradients(arch, work_dir, fp64=fp64)
+                lp_err, runs = family_gradients(arch, work_dir, fp64=fp64)
             except Exception as e:  # one family's failure must not hide the others' results
                 traceback.print_exc()
                 print(f"{arch} spec={spec} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}",
                       flush=True)
                 failed += 1
                 continue
+            if save:
+                os.makedirs(save, exist_ok=True)
+                torch.save({r: {n: g.cpu() for n, g in grads.items()} for r, grads in runs.items()},
+                           os.path.join(save, f"{arch}-{spec}-{'fp64' if fp64 else 'fp32'}.pt"))
             table = gap_table(runs)
             print(f"{arch} spec={spec} device={'cuda' if cuda else 'cpu'} dtype={'fp64' if fp64 else 'fp32'}"
-                  f"{'+decay64' if decay64 else ''} logprob={lp_err:.3g}")
+                  f" logprob={lp_err:.3g}")
             print(f"  {'parameter':66s}" + "".join(f"{c:>10s}" for c in cols))
             layers: dict[str, dict[str, float]] = {}
             for name, row in table.items():
