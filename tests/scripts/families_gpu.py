@@ -1,7 +1,7 @@
 """Every tiny model family on one GPU, fp32 with TF32 off: tree log-probs vs Hugging Face per sequence,
 and parameter gradients (full recompute) vs the upstream model run per sequence.
 
-Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/families_gpu.py WORK_DIR [--no-te] [ARCH ...]
+Run: NVIDIA_TF32_OVERRIDE=0 PYTHONPATH=.:tests python tests/scripts/families_gpu.py WORK_DIR [--no-te] [--truth DIR] [ARCH ...]
 (ARCH: TINY_ARCHS, OTHER_TINY_ARCHS (Gemma 3 text) and the sliding-window cases of parity_common.SLIDING_WINDOW_CASES,
 all by default)
 (``tests/mcore/test_families_gpu.py`` runs it both ways). With Transformer Engine importable the
@@ -9,7 +9,9 @@ models are built on the TE spec (mbridge builds it whenever TE runs); ``--no-te`
 this process first (megatron-core's local spec on the GPU). Hugging Face runs on the CPU in fp32.
 Prints one line per family, ``ARCH spec=te|local logprob=... grad=... decay_grad=... floor=... own=... (worst:
 PARAM)`` with ``floor``, ``own``, ``noise`` (:func:`check` says what each is), and exits 1 when any family fails :func:`passes` or fails to build / run
-(with the error on its line).
+(with the error on its line). ``--truth DIR``: the fp64 gradients ``gdn_grad_gap.py --no-te --fp64 --save DIR``
+wrote (Gated DeltaNet families, whose fp32 gradients round further than 1e-5 on the GPU) judge the families whose
+rounding criterion alone does not pass (:func:`passes`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if "--no-te" in sys.argv:  # before megatron-core looks for TE: its imports then
     sys.modules.update(transformer_engine=None, transformer_engine_torch=None)
 
 import torch  # noqa: E402
+from scripts.gdn_truth import truth_errors  # noqa: E402
 from scripts.parity_common import (  # noqa: E402
     SLIDING_WINDOW_CASES,
     branching_forest,
@@ -89,13 +92,16 @@ def family_gradients(arch: str, work_dir: str, fp64: bool = False) -> tuple[floa
     return lp_err, runs
 
 
-def check(arch: str, work_dir: str) -> dict[str, float | str]:
+def check(arch: str, work_dir: str, truth_dir: str | None = None) -> dict[str, float | str]:
     """One family (:func:`family_gradients`): ``logprob`` max |tree - HF|; relative gradient errors outside
     :data:`DECAY` / over it (0 without GDN layers) of the tree vs the upstream model run per sequence (``grad`` /
     ``decay_grad``, ``worst`` the parameter with the largest), of the same tree model run with no sharing (each
     sequence its own tree) vs upstream (``floor``: the two implementations' fp32 rounding, no tree in it) and of the
     tree vs that unshared run (``own``: what sharing alone changes) and of the tree vs itself packed into one
-    micro-batch instead of several (``noise``: the same trees, other kernel shapes: fp32 rounding alone)."""
+    micro-batch instead of several (``noise``: the same trees, other kernel shapes: fp32 rounding alone). With
+    ``truth_dir`` holding ``ARCH-local-fp64.pt`` (``gdn_grad_gap.py --no-te --fp64 --save``: the same checkpoint in
+    fp64) also ``tree64`` / ``seq64``: the tree's and the per-sequence runs' (the larger of unshared and upstream)
+    largest error against that truth, ``truth_ok`` (:func:`scripts.gdn_truth.truth_errors`)."""
     lp_err, runs = family_gradients(arch, work_dir)
     got, repacked, unshared, want = (runs[k] for k in ("tree", "repacked", "unshared", "upstream"))
 
@@ -108,21 +114,31 @@ def check(arch: str, work_dir: str) -> dict[str, float | str]:
     floor = max(errors(unshared, want)[:2])
     own = max(errors(got, unshared)[:2])
     noise = max(errors(got, repacked)[:2])
-    return dict(logprob=lp_err, grad=grad, decay_grad=decay, floor=floor, own=own, noise=noise,
-                worst=max(errs, key=errs.get))
+    out = dict(logprob=lp_err, grad=grad, decay_grad=decay, floor=floor, own=own, noise=noise,
+               worst=max(errs, key=errs.get))
+    truth_file = os.path.join(truth_dir, f"{arch}-local-fp64.pt") if truth_dir else None
+    if truth_file and os.path.exists(truth_file):
+        result = truth_errors(runs, torch.load(truth_file)["unshared"])
+        per_param = result["errors"].values()
+        out.update(tree64=max(e["tree"] for e in per_param),
+                   seq64=max(max(e["unshared"], e["upstream"]) for e in per_param), truth_ok=float(result["ok"]))
+    return out
 
 
 def passes(r: dict) -> bool:
     """Log-probs within :data:`TOL` of HF; gradients within :data:`TOL` (:data:`DECAY_TOL` over :data:`DECAY`) of
     upstream, or, where fp32 rounding is larger (``floor``, ``noise``), within twice it while sharing alone (``own``)
-    stays within :data:`TOL` or twice the tree's own rounding (``noise``)."""
+    stays within :data:`TOL` or twice the tree's own rounding (``noise``), or, with the fp64 truth at hand, the
+    tree's every gradient is within :data:`TOL` or twice the per-sequence runs' error against it (``truth_ok``: the
+    tree rounds as running each sequence alone does)."""
     close = r["grad"] < TOL and r["decay_grad"] < DECAY_TOL
     rounding = max(r["grad"], r["decay_grad"]) <= 2 * max(r["floor"], r["noise"]) and r["own"] <= max(TOL, 2 * r["noise"])
-    return r["logprob"] < TOL and (close or rounding)
+    return r["logprob"] < TOL and (close or rounding or bool(r.get("truth_ok")))
 
 
 def main(argv: list[str]) -> int:
-    work_dir, *archs = [a for a in argv if a != "--no-te"]
+    truth_dir = argv[argv.index("--truth") + 1] if "--truth" in argv else None
+    work_dir, *archs = [a for a in argv if a not in ("--no-te", "--truth", truth_dir)]
     if not torch.cuda.is_available():
         print("families_gpu: needs a CUDA GPU")
         return 2
@@ -136,9 +152,9 @@ def main(argv: list[str]) -> int:
         init_cpu_distributed(tp=1)
         for arch in archs or (*TINY_ARCHS, *OTHER_TINY_ARCHS, *SLIDING_WINDOW_CASES):
             try:
-                r = check(arch, work_dir)
+                r = check(arch, work_dir, truth_dir)
                 ok = passes(r)
-                print(f"{arch} spec={spec} " + " ".join(f"{k}={v:.3g}" for k, v in r.items() if k != "worst")
+                print(f"{arch} spec={spec} " + " ".join(f"{k}={v:.3g}" for k, v in r.items() if k not in ("worst", "truth_ok"))
                       + f" (worst: {r['worst']}){'' if ok else ' FAIL'}", flush=True)
             except Exception as e:  # one family's failure must not hide the others' results
                 ok = False
