@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -183,7 +184,9 @@ def chunk_pairs(mb) -> int:
 
 def train_step(model, optimizer, mbs, loss_fn, run, between=None) -> None:
     """One step: zero grads, ``run(model, mbs, loss_fn)`` (the tree or flat forward-backward),
-    ``between()`` if given, optimizer step."""
+    ``between()`` if given, optimizer step. Raises ``FloatingPointError`` when the step's gradient norm (computed
+    by the optimizer's clipping, a host value already) is not finite: bf16 optimizers have no loss scaler to skip
+    such a step, so the weights it updated are no longer usable and the timings after it would be of NaN math."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -191,7 +194,10 @@ def train_step(model, optimizer, mbs, loss_fn, run, between=None) -> None:
     if between is not None:
         between()
     with torch.profiler.record_function(OPTIMIZER_REGION):
-        optimizer.step()
+        _, grad_norm, _ = optimizer.step()
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        raise FloatingPointError(f"non-finite gradient norm ({float(grad_norm)}) in this step's backward; its "
+                                 f"optimizer step has applied it (bf16: no loss scaler skips it)")
 
 
 def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) -> tuple[list[float], list[float], float | None]:
@@ -324,7 +330,13 @@ def main():
                 run = flat_forward_backward if mode == "flat" and te else tree_forward_backward
                 mbs = pack_trees(seqs, spec if mode == "tree" else flat_spec, share_prefixes=mode == "tree",
                                  pad_to_multiple_of=128)
-                times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, run, args.warmup, args.steps)
+                try:
+                    times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, run, args.warmup,
+                                                               args.steps)
+                except FloatingPointError as e:
+                    kind = baseline if mode == "flat" else "tree"
+                    raise SystemExit(f"e2e_bench: {args.model}, workload {name}, {mode} mode ({kind}): {e}; no row for "
+                                     f"it") from e
                 step_s = statistics.median(times)
                 computed_tokens, computed_pairs = packed_work(mbs)
                 flops = row["flops_flat"] if mode == "flat" else row["flops_tree"]

@@ -100,3 +100,28 @@ def test_flops_per_token_count_every_matmul_weight_once(model, monkeypatch):
     assert e2e_bench.flops_per_token_and_pair(cfg) == (6 * (linear + routers + routed + recurrence),
                                                        6 * full * cfg.num_attention_heads * (d_qk + d_v))
     assert bool(experts) == ("moe" in model or "deepseek" in model) and bool(gdn_layers) == ("qwen3.5" in model or "next" in model)
+
+
+def test_a_non_finite_gradient_norm_stops_the_step():
+    """The optimizer's gradient norm (clipping computes it on GPUs) is checked after every step: a bf16 flat
+    baseline whose backward went non-finite stops there, not one forward later at a layer's input check."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from e2e_bench import train_step
+    finally:
+        sys.path.pop(0)
+
+    class Optimizer:
+        def __init__(self, norm):
+            self.norm = norm
+
+        def zero_grad(self):
+            pass
+
+        def step(self):
+            return True, self.norm, 0
+
+    train_step([], Optimizer(1.5), [], None, lambda *args: None)
+    train_step([], Optimizer(None), [], None, lambda *args: None)  # CPU: no clipping, no norm
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm \(nan\)"):
+        train_step([], Optimizer(float("nan")), [], None, lambda *args: None)

@@ -1,0 +1,89 @@
+"""Transformer Engine's THD attention (Megatron's sequence packing: the flat baseline's attention) forward and
+backward on the e2e benchmark's flat micro-batches, against each segment alone in fp32 (PyTorch SDPA): are its
+outputs and gradients finite, and how far off? One line per (head dim, micro-batch).
+
+    python benchmarks/te_thd_probe.py --model qwen3.5-hybrid-2b --workload grpo --head-dims 128,256
+
+Why: the ``qwen3.5-hybrid-2b`` flat baseline (head dim 256, GQA 4:1, bf16) got non-finite gradients from inside a
+full-attention layer's backward on the H200 while the tree steps (other attention backends) stayed finite
+(``benchmarks/results/te/e2e_qwen3.5-hybrid-2b_flat_nan_hooks.txt``). The segments are those
+:func:`megatron_tree.mcore.packed_seq.thd_packed_seq_params` gives the flat step (each sequence, then the padding
+slots as one more segment), ``attn_mask_type="padding_causal"`` as Megatron's THD path; TE picks its backend as
+there (``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2`` prints which). Needs CUDA and Transformer Engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from e2e_bench import workloads
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.mcore.packed_seq import thd_packed_seq_params
+
+
+def reference(q, k, v, cu, grad):
+    """Each segment alone, fp32, causal: output [T, H, d] and the gradients of ``(out * grad).sum()``."""
+    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [H, n, d]
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(grad.float())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def main() -> None:
+    from transformer_engine.pytorch import DotProductAttention
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3.5-hybrid-2b", help="e2e_bench model (its vocabulary draws the tokens)")
+    ap.add_argument("--workload", default="grpo")
+    ap.add_argument("--max-tokens-per-mb", type=int, default=16384)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--head-dims", default="128,256")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=3, help="probe the first N flat micro-batches")
+    args = ap.parse_args()
+    seqs = workloads(args.workload, np.random.default_rng(0), 1000, args.scale)
+    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk"),
+                     share_prefixes=False, pad_to_multiple_of=128)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for d in map(int, args.head_dims.split(",")):
+        attention = DotProductAttention(args.heads, d, num_gqa_groups=args.kv_heads, attention_dropout=0.0,
+                                        qkv_format="thd", attn_mask_type="padding_causal").cuda()
+        for i, mb in enumerate(mbs[: args.micro_batches]):
+            params = thd_packed_seq_params(mb)
+            cu = params.cu_seqlens_q.cuda()
+            t = int(cu[-1])
+
+            def rand(h):
+                return torch.randn(t, h, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+            q, k, v = (rand(h).requires_grad_() for h in (args.heads, args.kv_heads, args.kv_heads))
+            grad = rand(args.heads)
+            out = attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=params.max_seqlen_q,
+                            max_seqlen_kv=params.max_seqlen_kv).view(t, args.heads, d)
+            out.backward(grad)
+            ref = reference(q, k, v, cu, grad)
+            got = (out.detach(), q.grad, k.grad, v.grad)
+            finite = all(bool(torch.isfinite(x).all()) for x in got)
+            errs = " ".join(f"{n} {rel(a, b):.2e}" for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref))
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            print(f"head_dim {d} mb {i}: {t} slots, {len(lengths)} segments (longest {max(lengths)}, last {lengths[-1]}):"
+                  f" finite={finite} {errs}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
