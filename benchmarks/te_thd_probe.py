@@ -9,7 +9,9 @@ full-attention layer's backward on the H200 while the tree steps (other attentio
 (``benchmarks/results/te/e2e_qwen3.5-hybrid-2b_flat_nan_hooks.txt``). The segments are those
 :func:`megatron_tree.mcore.packed_seq.thd_packed_seq_params` gives the flat step (each sequence, then the padding
 slots as one more segment), ``attn_mask_type="padding_causal"`` as Megatron's THD path; TE picks its backend as
-there (``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2`` prints which). Needs CUDA and Transformer Engine.
+there (``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2`` prints which). Then megatron-core's fused THD RoPE (TE's kernel, what
+``apply_rope_fusion`` runs on packed sequences) on the same segments against its unfused THD RoPE in fp32, with the
+rotary dims the ``--rotary-percents`` give (Qwen3.5: 0.25 of a 256 head). Needs CUDA and Transformer Engine.
 """
 
 from __future__ import annotations
@@ -39,6 +41,29 @@ def reference(q, k, v, cu, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def rope_check(t: torch.Tensor, cu: torch.Tensor, rotary_dim: int, max_seqlen: int) -> tuple[bool, str]:
+    """megatron-core's ``apply_rotary_pos_emb`` on THD ``t`` [T, H, d] (bf16): fused (TE) vs unfused in fp32, output
+    and input gradient; (finite, errors)."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.transformer import TransformerConfig
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, device=t.device, dtype=torch.float32) / rotary_dim)
+    angles = torch.outer(torch.arange(max_seqlen, device=t.device, dtype=torch.float32), inv_freq)
+    freqs = torch.cat([angles, angles], -1)[:, None, None, :]  # [max_s, 1, 1, rotary_dim], as RotaryEmbedding
+    grad = torch.randn_like(t)
+    results = []
+    for fused, dtype in ((True, t.dtype), (False, torch.float32)):
+        config = TransformerConfig(num_layers=1, hidden_size=t.shape[1] * t.shape[2], num_attention_heads=t.shape[1],
+                                   apply_rope_fusion=fused)
+        x = t.detach().to(dtype).requires_grad_()
+        out = apply_rotary_pos_emb(x, freqs, config, cu_seqlens=cu)
+        out.backward(grad.to(dtype))
+        results.append((out.detach(), x.grad))
+    (out, dx), (ref, ref_dx) = results
+    finite = bool(torch.isfinite(out).all() and torch.isfinite(dx).all())
+    return finite, f"out {rel(out, ref):.2e} dx {rel(dx, ref_dx):.2e}"
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
@@ -55,7 +80,11 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=3, help="probe the first N flat micro-batches")
+    ap.add_argument("--rotary-percents", default="0.25,1.0")
     args = ap.parse_args()
+    from megatron_tree.runtime import init_distributed
+
+    init_distributed(seed=1, backend="nccl")  # megatron-core's RoPE reads the context-parallel group
     seqs = workloads(args.workload, np.random.default_rng(0), 1000, args.scale)
     mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk"),
                      share_prefixes=False, pad_to_multiple_of=128)
@@ -83,6 +112,9 @@ def main() -> None:
             lengths = (cu[1:] - cu[:-1]).tolist()
             print(f"head_dim {d} mb {i}: {t} slots, {len(lengths)} segments (longest {max(lengths)}, last {lengths[-1]}):"
                   f" finite={finite} {errs}", flush=True)
+            for percent in map(float, args.rotary_percents.split(",")):
+                finite, errs = rope_check(q.detach(), cu, int(d * percent), params.max_seqlen_q)
+                print(f"  fused THD RoPE, rotary dim {int(d * percent)}: finite={finite} {errs}", flush=True)
 
 
 if __name__ == "__main__":
