@@ -92,6 +92,7 @@ def build_tree_model(
     load_weights: bool = True,
     value_head: bool = False,
     extra_args: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
     **get_model_kwargs: Any,
 ) -> tuple[Any, list[torch.nn.Module]]:
     """Build a megatron-core model from the HF checkpoint at ``hf_path`` with mbridge: ``(bridge, chunks)``.
@@ -118,11 +119,14 @@ def build_tree_model(
       from a language-model checkpoint it is drawn from N(0, ``init_method_std``²) with a fixed
       seed, so every tensor- and data-parallel rank starts from the same head. The checkpoint
       must have untied embeddings (see the ``ValueError``).
+    - ``trust_remote_code=True``: read a config that ships its own code (``auto_map``, e.g. MiMo's
+      ``configuration_mimo.py``), as ``transformers.AutoConfig`` does with it; only the config is read that way.
     """
     if not tree:
         warnings.warn("build_tree_model(tree=False) is now build_flat_model(...) (the upstream model, no tree)",
                       DeprecationWarning, stacklevel=2)
-    return _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, extra_args, get_model_kwargs)
+    return _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, extra_args, trust_remote_code,
+                  get_model_kwargs)
 
 
 def build_flat_model(
@@ -133,6 +137,7 @@ def build_flat_model(
     load_weights: bool = True,
     value_head: bool = False,
     extra_args: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
     **get_model_kwargs: Any,
 ) -> tuple[Any, list[torch.nn.Module]]:
     """The upstream model of the HF checkpoint at ``hf_path``, built as :func:`build_tree_model` builds a tree
@@ -141,7 +146,8 @@ def build_flat_model(
     Engine). Returns ``(bridge, chunks)``."""
     if "backend" in get_model_kwargs:
         raise TypeError("build_flat_model builds megatron-core's own attention: backend= is build_tree_model's")
-    return _build(hf_path, False, "auto", bf16, recompute, load_weights, value_head, extra_args, get_model_kwargs)
+    return _build(hf_path, False, "auto", bf16, recompute, load_weights, value_head, extra_args, trust_remote_code,
+                  get_model_kwargs)
 
 
 def build_model(hf_path: str | os.PathLike, *, tree: bool, backend: str = "auto", **kwargs: Any):
@@ -150,7 +156,8 @@ def build_model(hf_path: str | os.PathLike, *, tree: bool, backend: str = "auto"
     return build_tree_model(hf_path, backend=backend, **kwargs) if tree else build_flat_model(hf_path, **kwargs)
 
 
-def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, extra_args, get_model_kwargs):
+def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, extra_args, trust_remote_code,
+           get_model_kwargs):
     from megatron_tree.compat import apply_compat_patches
     from megatron_tree.mcore.bridges import register_bridges
 
@@ -166,7 +173,8 @@ def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, ex
     with apply_compat_patches(), patch_bridge_for_tree_training(enable=tree, backend=backend):
         from mbridge import AutoBridge
 
-        bridge = AutoBridge.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        bridge = AutoBridge.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                            dtype=torch.bfloat16 if bf16 else torch.float32)
         if value_head:
             get_model_kwargs["post_model_creation_callbacks"] = _value_head_callbacks(bridge, path, get_model_kwargs)
         moe = bridge.config.num_moe_experts is not None

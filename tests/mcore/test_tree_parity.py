@@ -137,6 +137,45 @@ def test_multi_token_prediction_refused_at_build(tmp_path, cpu_megatron):
     assert not chunks[0].mtp_process
 
 
+MIMO_CONFIG_CODE = """from transformers import Qwen2Config
+
+
+class MiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, num_nextn_predict_layers=0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(**kwargs)
+"""
+
+
+def test_mimo_matches_hf_without_its_mtp_layers(checkpoints, forest, tmp_path):
+    """MiMo (mbridge's ``mimo``: Qwen2 layers with multi-token prediction layers beside them) as its checkpoints
+    ship it: a config class of its own (``configuration_mimo.py`` through ``auto_map``, read with
+    ``trust_remote_code=True``; transformers has no ``mimo``). Its MTP layers are refused with the way out; built
+    without them the tree model's log-probs equal HF's Qwen2 on the same weights (MiMo's main model), per sequence."""
+    import json
+    import shutil
+
+    seqs, mbs = forest
+    path = tmp_path / "mimo"
+    shutil.copytree(checkpoints["qwen2"], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
+                  auto_map={"AutoConfig": "configuration_mimo.MiMoConfig"})
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "configuration_mimo.py").write_text(MIMO_CONFIG_CODE)
+    with pytest.raises(ValueError, match="pass the argument `trust_remote_code=True`"):
+        build_tree_model(path, load_weights=False)
+    with pytest.raises(ValueError, match=r"multi-token prediction.*extra_args=\{'mtp_num_layers': None\}"):
+        build_tree_model(path, load_weights=False, trust_remote_code=True)
+    _, chunks = build_tree_model(path, trust_remote_code=True, extra_args={"mtp_num_layers": None})
+    with torch.no_grad():
+        err = max_diff(tree_logprobs(chunks[0].eval(), mbs), hf_logprobs(checkpoints["qwen2"], seqs))
+    print(f"mimo: tree vs HF (Qwen2, same weights) max |dlogprob| = {err:.3g}")
+    assert err < LOGPROB_TOL
+
+
 def test_bf16_error_is_a_small_multiple_of_flat(checkpoints, forest):
     """bf16 tree log-probs are as close to fp32 HF as bf16 per-sequence runs are (k = 4)."""
     seqs, mbs = forest
