@@ -189,7 +189,8 @@ def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, ex
                 f"{path} has {bridge.config.mtp_num_layers} multi-token prediction layer(s) "
                 f"(num_nextn_predict_layers); tree training cannot run them (MTP predicts the token one slot "
                 f"later, which is not the next token at a branch point). Build without them: "
-                f"extra_args={{'mtp_num_layers': None}} (the checkpoint's MTP weights are then not loaded)"
+                f"extra_args={{'mtp_num_layers': None}} (the checkpoint's MTP weights are then not loaded; the "
+                f"launcher: --skip-mtp-layers)"
             )
         chunks = bridge.get_model(bf16=bf16, fp16=False, **get_model_kwargs)
         if value_head:

@@ -30,6 +30,8 @@ PROG = "megatron-tree-train"
 # flag -> (section.key, extra argparse keywords). Help texts and defaults come from the config classes.
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--hf-path": ("model.hf_path", {"metavar": "DIR"}),
+    "--trust-remote-code": ("model.trust_remote_code", {}),
+    "--skip-mtp-layers": ("model.skip_mtp_layers", {}),
     "--tp": ("parallel.tp", {}),
     "--pp": ("parallel.pp", {}),
     "--vpp": ("parallel.vpp", {}),

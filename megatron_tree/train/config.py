@@ -154,6 +154,11 @@ class ModelConfig(_Section):
     arch: str = _field("qwen3", "without hf_path: architecture of a random tiny model")
     hf_overrides: dict[str, Any] = field(default_factory=dict, metadata={"help": "HF config keys of the tiny model"})
     random_init: bool = _field(False, "tiny model: Megatron's random init instead of random HF weights")
+    trust_remote_code: bool = _field(False, "read a config class the checkpoint ships (its config.json's auto_map, "
+                                     "e.g. MiMo's configuration_mimo.py), as transformers' trust_remote_code")
+    skip_mtp_layers: bool = _field(False, "build without the checkpoint's multi-token prediction layers (MiMo, "
+                                   "DeepSeek-V3), which tree training cannot run: they are not loaded, trained or "
+                                   "exported")
 
     def _check(self) -> None:
         if self.hf_path is not None:

@@ -53,8 +53,9 @@ def build_ppo_models(
     from megatron_tree.mcore.bridge import build_model
 
     t = cfg.train
-    common = dict(tree=tree, backend=t.attention_backend, bf16=t.bf16, recompute=t.recompute)
-    from megatron_tree.train.trainer import make_ddp_config
+    from megatron_tree.train.trainer import make_ddp_config, model_source_args
+
+    common = dict(tree=tree, backend=t.attention_backend, bf16=t.bf16, recompute=t.recompute, **model_source_args(cfg))
 
     ddp = make_ddp_config(cfg.parallel)  # the actor's: distributed optimizer, overlapped communication
     _, reference = build_model(path, load_weights=False, wrap_with_ddp=False, **common)

@@ -95,9 +95,16 @@ def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     # kernels on flat packing (each sequence its own chain).
     bridge, model = build_tree_or_flat(
         path, tree=uses_tree_model(cfg, cuda), backend=cfg.train.attention_backend, bf16=cfg.train.bf16, recompute=cfg.train.recompute,
-        load_weights=load, wrap_with_ddp=True, ddp_config=make_ddp_config(cfg.parallel),
+        load_weights=load, wrap_with_ddp=True, ddp_config=make_ddp_config(cfg.parallel), **model_source_args(cfg),
     )
     return model, make_optimizer(cfg, model, cuda), bridge
+
+
+def model_source_args(cfg: RunConfig) -> dict[str, Any]:
+    """Keywords of :func:`~megatron_tree.mcore.bridge.build_tree_model` that ``cfg.model`` sets for every model of
+    the run: ``trust_remote_code``, and ``extra_args`` without multi-token prediction layers (``skip_mtp_layers``)."""
+    m = cfg.model
+    return dict(trust_remote_code=m.trust_remote_code, extra_args={"mtp_num_layers": None} if m.skip_mtp_layers else None)
 
 
 def make_ddp_config(p: ParallelConfig) -> dict[str, Any]:
@@ -381,7 +388,7 @@ class Trainer:
         path, load = self._model_path()
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(path).get_text_config()  # a multimodal checkpoint: its language model
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).get_text_config()  # a multimodal checkpoint: its language model
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
         check_expert_parallel(hf_config, cfg.parallel.ep, cfg.model.hf_path or f"the tiny {cfg.model.arch} model")
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)

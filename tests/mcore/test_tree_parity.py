@@ -26,6 +26,7 @@ from scripts.parity_common import (
     micro_batches,
     param_grads,
     relative_grad_error,
+    save_tiny_mimo_checkpoint,
     tree_and_flat_backward,
     tree_logprobs,
 )
@@ -137,34 +138,13 @@ def test_multi_token_prediction_refused_at_build(tmp_path, cpu_megatron):
     assert not chunks[0].mtp_process
 
 
-MIMO_CONFIG_CODE = """from transformers import Qwen2Config
-
-
-class MiMoConfig(Qwen2Config):
-    model_type = "mimo"
-
-    def __init__(self, num_nextn_predict_layers=0, **kwargs):
-        self.num_nextn_predict_layers = num_nextn_predict_layers
-        super().__init__(**kwargs)
-"""
-
-
 def test_mimo_matches_hf_without_its_mtp_layers(checkpoints, forest, tmp_path):
     """MiMo (mbridge's ``mimo``: Qwen2 layers with multi-token prediction layers beside them) as its checkpoints
     ship it: a config class of its own (``configuration_mimo.py`` through ``auto_map``, read with
     ``trust_remote_code=True``; transformers has no ``mimo``). Its MTP layers are refused with the way out; built
     without them the tree model's log-probs equal HF's Qwen2 on the same weights (MiMo's main model), per sequence."""
-    import json
-    import shutil
-
     seqs, mbs = forest
-    path = tmp_path / "mimo"
-    shutil.copytree(checkpoints["qwen2"], path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
-                  auto_map={"AutoConfig": "configuration_mimo.MiMoConfig"})
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "configuration_mimo.py").write_text(MIMO_CONFIG_CODE)
+    path = save_tiny_mimo_checkpoint(checkpoints["qwen2"], tmp_path / "mimo")
     with pytest.raises(ValueError, match="pass the argument `trust_remote_code=True`"):
         build_tree_model(path, load_weights=False)
     with pytest.raises(ValueError, match=r"multi-token prediction.*extra_args=\{'mtp_num_layers': None\}"):

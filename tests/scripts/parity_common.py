@@ -409,3 +409,34 @@ def tree_and_alone_backward(model, seqs, images, mbs):
              for sid, (seq, imgs) in enumerate(zip(seqs, images))}
     weighted_sum(alone).backward()
     return tree_grads, tree_lp, alone
+
+
+MIMO_CONFIG_CODE = """from transformers import Qwen2Config
+
+
+class MiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, num_nextn_predict_layers=0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(**kwargs)
+"""
+
+
+def save_tiny_mimo_checkpoint(qwen2_path, path) -> str:
+    """A MiMo checkpoint as MiMo's ship (transformers has no ``mimo``): the tiny Qwen2 checkpoint at ``qwen2_path``
+    (MiMo's main model is Qwen2's) with ``model_type`` ``mimo``, one multi-token prediction layer in its config (no
+    weights: builds without it do not read them) and its config class in ``configuration_mimo.py`` through
+    ``auto_map`` (read with ``trust_remote_code``). Returns ``path``."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    path = Path(path)
+    shutil.copytree(qwen2_path, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
+                  auto_map={"AutoConfig": "configuration_mimo.MiMoConfig"})
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "configuration_mimo.py").write_text(MIMO_CONFIG_CODE)
+    return str(path)

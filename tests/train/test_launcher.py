@@ -610,3 +610,20 @@ def test_gated_delta_net_trees_larger_than_a_micro_batch_run_in_chunks(tmp_path)
     print({key: (chunked[key], whole[key]) for key in ("micro_batches", "loss", "grad_norm")})
     for key in ("loss", "grad_norm", "tree_tokens"):
         assert chunked[key] == pytest.approx(whole[key], rel=1e-5), (key, chunked[key], whole[key])
+
+
+def test_mimo_trains_with_its_config_code_and_without_its_mtp_layers(tmp_path, capsys):
+    """A MiMo checkpoint (its config class in the checkpoint, one multi-token prediction layer): refused until
+    --trust-remote-code, then refused at its MTP layers naming --skip-mtp-layers, then it trains."""
+    from scripts.parity_common import save_tiny_mimo_checkpoint
+
+    from megatron_tree.runtime import save_tiny_hf_checkpoint
+
+    path = save_tiny_mimo_checkpoint(save_tiny_hf_checkpoint("qwen2", tmp_path / "qwen2"), tmp_path / "mimo")
+    base = ["--hf-path", path, "--steps", "1", "--no-progress", "--max-tokens-per-mb", "256"]
+    assert main(base) == 1
+    assert "trust_remote_code=True" in capsys.readouterr().err
+    assert main([*base, "--trust-remote-code"]) == 1
+    assert "multi-token prediction layer(s)" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main([*base, "--trust-remote-code", "--skip-mtp-layers", "--log-jsonl", str(tmp_path / "log.jsonl")]) == 0
+    assert (tmp_path / "log.jsonl").read_text().count('"loss"') == 1
