@@ -24,8 +24,8 @@ flash-linear-attention's Triton kernels (``fla.ops.gated_delta_rule``) run only 
 (triton 3.6) fla 0.6.0 refuses itself: "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results
 for gated chunk_bwd_dqkwg (see #640)" (``benchmarks/fla_probe.py``); our first tree test there stopped at an
 illegal memory access in its varlen backward. Elsewhere the PyTorch path below (autograd backward; fp64
-math for fp64 inputs, the exactness checks, else fp32), exact on CPU and GPU. fp32 never goes to fla: its Triton
-dots take TF32."""
+math for fp64 inputs, the exactness checks, else fp32, the chunk decays in fp64 always), exact on CPU and GPU.
+fp32 never goes to fla: its Triton dots take TF32."""
 
 from __future__ import annotations
 
@@ -208,18 +208,23 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decay factors of each chunk from ``g`` [C, H, CHUNK] (log decays, zero past a sequence's end), with G the
-    in-chunk cumulative sum of g: ``exp(G_r - G_s)`` [C, H, CHUNK, CHUNK] (0 for s > r), ``exp(G)``, ``exp(G_last -
-    G)`` [C, H, CHUNK] and ``exp(G_last)`` [C, H, 1], in g's dtype, computed in fp64 (forward and backward): in fp32
-    the differences of G cancel (|G| grows along the chunk), which was the chunked rule's largest rounding, at a
-    chunk's end, and moved with where a tree's segments start chunks (H200, Qwen3-Next's head sizes, fp32 vs fp64:
-    dA_log 6.7e-5 -> 1.6e-7, dg 1.7e-5 -> 4.3e-7; ``tests/linear_attention/test_fp64_scan.py``). The tensors are
+    """:func:`_decays` of ``g`` computed in fp64 (forward and backward), returned in g's dtype: in fp32 the
+    differences of G cancel (|G| grows along the chunk), which was the chunked rule's largest rounding, at a chunk's
+    end, and moved with where a tree's segments start chunks (H200, Qwen3-Next's head sizes, fp32 vs fp64: dA_log
+    6.7e-5 -> 1.6e-7, dg 1.7e-5 -> 4.3e-7; ``tests/linear_attention/test_fp64_scan.py``). The tensors are
     elementwise, a small share of the rule's work."""
-    log_decay = g.double().cumsum(-1)
+    return tuple(x.to(g.dtype) for x in _decays(g.double()))
+
+
+def _decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decay factors of each chunk from ``g`` [C, H, CHUNK] (log decays, zero past a sequence's end), with G the
+    in-chunk cumulative sum of g, in g's dtype: ``exp(G_r - G_s)`` [C, H, CHUNK, CHUNK] (0 for s > r), ``exp(G)``,
+    ``exp(G_last - G)`` [C, H, CHUNK] and ``exp(G_last)`` [C, H, 1]."""
+    log_decay = g.cumsum(-1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).tril()
     pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
     last = log_decay[..., -1:]
-    return tuple(x.to(g.dtype) for x in (pair, log_decay.exp(), (last - log_decay).exp(), last.exp()))
+    return pair, log_decay.exp(), (last - log_decay).exp(), last.exp()
 
 
 def _chunked_torch(q, k, v, g, beta, *, scale, initial_state, lengths):

@@ -388,7 +388,8 @@ class Trainer:
         path, load = self._model_path()
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).get_text_config()  # a multimodal checkpoint: its language model
+        # a multimodal checkpoint: its language model
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).get_text_config()
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
         check_expert_parallel(hf_config, cfg.parallel.ep, cfg.model.hf_path or f"the tiny {cfg.model.arch} model")
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)

@@ -19,28 +19,37 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 GDN_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
-@pytest.mark.parametrize("spec", ["te", "local"])
-def test_every_family_exact_on_gpu(spec, tmp_path):
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``tests/scripts/NAME args...`` with TF32 off and the repo and tests on the path (its output captured)."""
+    env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0",
+           "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(TESTS_DIR / "scripts" / name), *args], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=TESTS_DIR.parent)
+
+
+@pytest.fixture(scope="module")
+def gdn_truth(tmp_path_factory):
+    """The fp64 truth of the Gated DeltaNet families (local spec, the same for both specs' runs), whose fp32
+    gradients round past 1e-5 (layer 0's conv1d.weight, Qwen3-Next: 5e-5 in every implementation, HF's and
+    upstream's included): the directory ``gdn_grad_gap.py --save`` wrote."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    tmp = tmp_path_factory.mktemp("gdn_truth")
+    proc = _script("gdn_grad_gap.py", str(tmp / "gap"), "--no-te", "--fp64", "--save", str(tmp / "truth"), *GDN_ARCHS)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return tmp / "truth"
+
+
+@pytest.mark.parametrize("spec", ["te", "local"])
+def test_every_family_exact_on_gpu(spec, tmp_path, gdn_truth):
     if spec == "te":
         from megatron_tree.core.platform import have_transformer_engine
 
         if not have_transformer_engine():
             pytest.skip("needs Transformer Engine (the TE spec)")
-    env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0",
-           "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
-    # The fp64 truth of the Gated DeltaNet families (local spec), whose fp32 gradients round past 1e-5 (layer 0's
-    # conv1d.weight, Qwen3-Next: 5e-5 in every implementation, HF's and upstream's included).
-    truth = tmp_path / "truth"
-    subprocess.run([sys.executable, str(TESTS_DIR / "scripts" / "gdn_grad_gap.py"), str(tmp_path / "gap"), "--no-te",
-                    "--fp64", "--save", str(truth), *GDN_ARCHS], check=True, capture_output=True, env=env, timeout=900,
-                   cwd=TESTS_DIR.parent)
-    args = [sys.executable, str(TESTS_DIR / "scripts" / "families_gpu.py"), str(tmp_path), "--truth", str(truth)]
-    proc = subprocess.run(args + (["--no-te"] if spec == "local" else []), capture_output=True, text=True,
-                          env=env, timeout=900, cwd=TESTS_DIR.parent)
+    proc = _script("families_gpu.py", str(tmp_path), "--truth", str(gdn_truth), *(["--no-te"] if spec == "local" else []))
     lines = [line for line in proc.stdout.splitlines() if f" spec={spec} " in line]
     print("\n".join(lines))
     assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -34,7 +34,7 @@ from scripts.parity_common import (  # noqa: E402
     max_diff,
     micro_batches,
     param_grads,
-    relative_grad_error,
+    relative_error,
     tree_logprobs,
     weighted_sum,
 )
@@ -92,7 +92,7 @@ def family_gradients(arch: str, work_dir: str, fp64: bool = False) -> tuple[floa
     return lp_err, runs
 
 
-def check(arch: str, work_dir: str, truth_dir: str | None = None) -> dict[str, float | str]:
+def check(arch: str, work_dir: str, truth_dir: str | None = None) -> dict[str, float | str | bool]:
     """One family (:func:`family_gradients`): ``logprob`` max |tree - HF|; relative gradient errors outside
     :data:`DECAY` / over it (0 without GDN layers) of the tree vs the upstream model run per sequence (``grad`` /
     ``decay_grad``, ``worst`` the parameter with the largest), of the same tree model run with no sharing (each
@@ -106,7 +106,7 @@ def check(arch: str, work_dir: str, truth_dir: str | None = None) -> dict[str, f
     got, repacked, unshared, want = (runs[k] for k in ("tree", "repacked", "unshared", "upstream"))
 
     def errors(a, b):
-        errs = {n: relative_grad_error({n: a[n]}, {n: b[n]}) for n in b}
+        errs = {n: relative_error(a[n], b[n]) for n in b}
         decay = [e for n, e in errs.items() if n.endswith(DECAY)]
         return max(e for n, e in errs.items() if not n.endswith(DECAY)), max(decay, default=0.0), errs
 
@@ -121,7 +121,7 @@ def check(arch: str, work_dir: str, truth_dir: str | None = None) -> dict[str, f
         result = truth_errors(runs, torch.load(truth_file)["unshared"])
         per_param = result["errors"].values()
         out.update(tree64=max(e["tree"] for e in per_param),
-                   seq64=max(max(e["unshared"], e["upstream"]) for e in per_param), truth_ok=float(result["ok"]))
+                   seq64=max(max(e["unshared"], e["upstream"]) for e in per_param), truth_ok=result["ok"])
     return out
 
 
@@ -133,7 +133,7 @@ def passes(r: dict) -> bool:
     tree rounds as running each sequence alone does)."""
     close = r["grad"] < TOL and r["decay_grad"] < DECAY_TOL
     rounding = max(r["grad"], r["decay_grad"]) <= 2 * max(r["floor"], r["noise"]) and r["own"] <= max(TOL, 2 * r["noise"])
-    return r["logprob"] < TOL and (close or rounding or bool(r.get("truth_ok")))
+    return r["logprob"] < TOL and (close or rounding or r.get("truth_ok", False))
 
 
 def main(argv: list[str]) -> int:

@@ -32,6 +32,7 @@ if "--no-te" in sys.argv:  # before megatron-core looks for TE: its imports then
 
 import torch  # noqa: E402
 from scripts.families_gpu import family_gradients  # noqa: E402
+from scripts.parity_common import relative_error  # noqa: E402
 
 from megatron_tree.compat import apply_compat_patches  # noqa: E402
 from megatron_tree.core.platform import have_transformer_engine  # noqa: E402
@@ -47,8 +48,7 @@ def gap_table(runs: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, f
     for name, ref in runs["unshared"].items():
         row = {}
         for col, (a, b) in PAIRS.items():
-            x, y = runs[a][name].double(), runs[b][name].double()
-            row[col] = float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
+            row[col] = relative_error(runs[a][name], runs[b][name])
         tree, ref = runs["tree"][name].double(), ref.double()
         row["own_l2"] = float((tree - ref).norm() / ref.norm().clamp_min(1e-30))
         row["max"] = float(ref.abs().max())

@@ -19,6 +19,7 @@ import re
 import sys
 
 import torch
+from scripts.parity_common import relative_error
 
 TE_NAMES = (
     (r"\.self_attention\.(in_proj|linear_qkv)\.layer_norm_weight$", ".input_layernorm.weight"),
@@ -35,11 +36,6 @@ def local_name(name: str) -> str:
     return name
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def truth_errors(runs: dict[str, dict[str, torch.Tensor]], truth: dict[str, torch.Tensor]) -> dict:
     """Per parameter of ``runs`` (``tree``, ``unshared``, ``upstream``: :func:`scripts.families_gpu.family_gradients`)
     each run's ``max|run - truth| / max|truth|`` against ``truth`` (the fp64 ``unshared`` gradients, local-spec
@@ -51,7 +47,7 @@ def truth_errors(runs: dict[str, dict[str, torch.Tensor]], truth: dict[str, torc
     errors, ok, ratio, worst = {}, True, 0.0, ""
     for name in runs["tree"]:
         ref = truth[local_name(name)]
-        errs = errors[name] = {r: rel(runs[r][name], ref) for r in ("tree", "unshared", "upstream")}
+        errs = errors[name] = {r: relative_error(runs[r][name], ref) for r in ("tree", "unshared", "upstream")}
         per_seq = max(errs["unshared"], errs["upstream"])
         ok &= errs["tree"] <= max(TOL, 2 * per_seq)
         if errs["tree"] / max(per_seq, 1e-30) > ratio:

@@ -265,12 +265,16 @@ def param_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` in fp64 on the CPU (the two may sit on different devices)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
 def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """max over parameters of ``max|got - want| / max|want|`` (same parameter names required)."""
+    """max over parameters of :func:`relative_error` (same parameter names required)."""
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    return max(
-        ((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want
-    )
+    return max(relative_error(got[n], want[n]) for n in want)
 
 
 def tree_and_flat_backward(tree, flat, seqs: list[list[int]], mbs) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
