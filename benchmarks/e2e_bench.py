@@ -292,6 +292,7 @@ def main():
                          "(fp32 smoke runs of the harness) is allowed")
     from megatron_tree.core.platform import have_transformer_engine
     from megatron_tree.compat import apply_compat_patches
+    from megatron_tree.mcore.packed_seq import thd_backward_refusal
     from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
     from megatron_tree.runtime import cpu_mode, save_hf_config
 
@@ -302,13 +303,18 @@ def main():
     rows: dict[str, dict] = {}
     with apply_compat_patches(), cpu_mode(), tempfile.TemporaryDirectory() as tmp:
         init_one_process(cuda)
-        te = cuda and have_transformer_engine()
-        # With TE the flat baseline is Megatron's sequence packing: the upstream model, each sequence
-        # a THD segment through cuDNN fused attention. Without TE, flat micro-batches run through the
-        # tree model's own kernel (each sequence its own chain), on the same model as the tree steps.
-        baseline = "te_thd_cudnn" if te else "tree_kernel_chains"
         path = save_hf_config(arch, os.path.join(tmp, "hf"), **overrides)
         hf_config = AutoConfig.from_pretrained(path)
+        # With TE the flat baseline is Megatron's sequence packing: the upstream model, each sequence
+        # a THD segment through cuDNN fused attention. Without TE, or where TE's THD backward is wrong
+        # (thd_backward_refusal: head dim 256), flat micro-batches run through the tree model's own kernel
+        # (each sequence its own chain), on the same model as the tree steps.
+        refusal = thd_backward_refusal(getattr(hf_config, "head_dim", None) or
+                                       hf_config.hidden_size // hf_config.num_attention_heads)
+        te = cuda and have_transformer_engine() and refusal is None
+        if refusal and cuda and have_transformer_engine():
+            print(f"e2e_bench: flat baseline tree_kernel_chains, not te_thd_cudnn: {refusal}", flush=True)
+        baseline = "te_thd_cudnn" if te else "tree_kernel_chains"
         vocab = hf_config.vocab_size
         per_token, per_pair = flops_per_token_and_pair(hf_config)
         # Workload by workload, flat then tree; the mode order alternates so that, with TE (one

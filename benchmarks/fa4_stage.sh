@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # FlashAttention-4 (flash-attn-4 + the CuTe DSL) for the GPU host, which has no internet: here, once,
 #   bash benchmarks/fa4_stage.sh pack        # downloads the cp312 wheels, writes .fa4a/ (~64 MB) and .fa4b/ (~7 MB)
-# The CuTe DSL's compiler library alone is 92 MB as a wheel, more than one device call carries (64 MiB),
-# so it travels xz-compressed in two calls on one warm machine (the second within its 30 s):
-#   call 1, carry [".fa4a"]:                bash benchmarks/fa4_stage.sh unpack-a
-#   call 2, carry [".fa4b", ".te", ".whl"]: bash benchmarks/fa4_stage.sh unpack-b && <the GPU work>
-# (.fa4a: the compiler and runtime libraries; .fa4b: everything else, small enough to travel with TE.)
+# The CuTe DSL's compiler library alone is 92 MB as a wheel, more than one device call carries (64 MiB with the
+# working tree), so FA4 travels xz-compressed in two calls on one warm machine (each within 30 s of the last), and
+# Transformer Engine in a third:
+#   call 1, carry [".fa4a"]:        bash benchmarks/fa4_stage.sh unpack-a
+#   call 2, carry [".fa4b"]:        bash benchmarks/fa4_stage.sh unpack-b
+#   call 3, carry [".te", ".whl"]:  bash .te/te-setup.sh && <the GPU work>
+# (.fa4a: the compiler library, ~50 MB; .fa4b: the runtime library and everything else, ~19 MB.)
 # unpack-* install into /tmp/fa4site; use it with
 #   export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 set -euo pipefail
@@ -27,15 +29,16 @@ pack)
   mkdir -p .fa4a .fa4b
   for d in /.fa4a/ /.fa4b/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
   xz -9e -T0 -c "$w/site/$IR" > .fa4a/ir.so.xz
-  xz -9e -T0 -c "$w/site/$RT" > .fa4a/rt.so.xz
+  xz -9e -T0 -c "$w/site/$RT" > .fa4b/rt.so.xz
   tar -C "$w/site" -cf - --exclude="$(basename $IR)" --exclude="$(basename $RT)" . | xz -9 -T0 > .fa4b/site.tar.xz
   rm -rf "$w"; du -sh .fa4a .fa4b ;;
 unpack-a)
   rm -rf $SITE && mkdir -p $SITE/$(dirname $IR) $SITE/$(dirname $RT)
-  xz -dc .fa4a/ir.so.xz > $SITE/$IR && xz -dc .fa4a/rt.so.xz > $SITE/$RT && chmod +x $SITE/$IR $SITE/$RT
+  xz -dc .fa4a/ir.so.xz > $SITE/$IR && chmod +x $SITE/$IR
   echo "fa4 stage a: ok" ;;
 unpack-b)
   test -f $SITE/$IR || { echo "fa4 stage b: run unpack-a first, on this machine"; exit 1; }
+  xz -dc .fa4b/rt.so.xz > $SITE/$RT && chmod +x $SITE/$RT
   tar -C $SITE -xJf .fa4b/site.tar.xz && echo "fa4 stage b: ok" ;;
 *) echo "usage: $0 pack|unpack-a|unpack-b"; exit 2 ;;
 esac

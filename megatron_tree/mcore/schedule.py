@@ -61,7 +61,7 @@ from megatron_tree.core.microbatch import TreeMicroBatch
 from megatron_tree.core.packing import build_micro_batch
 from megatron_tree.mcore.chunk_schedule import ChunkedTree, release_chunks, run_chunked_tree, schedule_steps
 from megatron_tree.mcore.data_parallel import configure_grad_sync
-from megatron_tree.mcore.packed_seq import thd_packed_seq_params
+from megatron_tree.mcore.packed_seq import thd_backward_refusal, thd_packed_seq_params
 from megatron_tree.mcore.model_check import check_tree_model
 from megatron_tree.mcore.router_stats import tree_padding_mask
 from megatron_tree.ops.values import gather_tree_scores, gather_tree_values
@@ -524,6 +524,8 @@ def _run_schedule(
     if with_entropy and head != "logprobs":
         raise ValueError(f"with_entropy=True needs head='logprobs' (a language-model head); got head={head!r}")
     config = get_model_config(chunks[0])
+    if thd and not forward_only and (why := thd_backward_refusal(config.kv_channels)):
+        raise ValueError(why)
     if not config.calculate_per_token_loss and not collect:
         raise ValueError(
             "tree training needs TransformerConfig.calculate_per_token_loss=True: the loss is "
