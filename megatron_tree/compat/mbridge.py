@@ -234,15 +234,27 @@ def local_spec_weight_names() -> list[AttrPatch]:
 def _method_fix(cls: type, name: str, fix: Callable[..., Any], why: str) -> AttrPatch:
     """An :class:`AttrPatch` replacing the method ``cls.name`` by ``fix(self, original, *args, **kwargs)``
     (``original``: ``cls``'s own ``name``, else the inherited one). A bridge that calls it inside the compat
-    block keeps the wrapper as its own attribute, so the fix holds for the bridge's life (mbridge rebuilds its
-    config later, e.g. in ``set_extra_args``)."""
+    block keeps, as its own attribute, its class's resolution of ``name`` with the fix in place at ``cls``, so the
+    fix holds for the bridge's life (mbridge rebuilds its config later, e.g. in ``set_extra_args``) and a subclass's
+    override that calls ``super()`` (our bridges of multimodal checkpoints) stays in the chain."""
     original = vars(cls)[name] if name in vars(cls) else getattr(cls, name)
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         if name not in vars(self):
-            setattr(self, name, types.MethodType(method, self))
+            setattr(self, name, types.MethodType(replay, self))
         return fix(self, original, *args, **kwargs)
+
+    def replay(self, *args, **kwargs):
+        own = vars(cls).get(name)
+        setattr(cls, name, method)
+        try:
+            return getattr(type(self), name)(self, *args, **kwargs)
+        finally:
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
 
     return AttrPatch(cls, name, method, why)
 

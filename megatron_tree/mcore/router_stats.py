@@ -360,11 +360,14 @@ def _check_supported(router: TopKRouter) -> None:
 def _require_weights(gpt: GPTModel, statistics: list[str]) -> None:
     """Refuse a training forward of a tree micro-batch whose padding mask carries no weights."""
     signature = inspect.signature(gpt.forward)
+    # a subclass's forward (the vision-language model's) passes GPTModel's keywords on through **kwargs
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
     def check(module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return
         bound = signature.bind(*args, **kwargs).arguments
+        bound = {**bound.pop(var_keyword, {}), **bound}
         mask = bound.get("attention_mask")
         tree = isinstance(mask, torch.Tensor) and mask.dtype in (torch.int32, torch.int64)
         if tree and _slot_weights(bound.get("padding_mask")) is None:

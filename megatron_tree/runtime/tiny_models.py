@@ -18,11 +18,11 @@ TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "g
               "qwen3_next")
 """The causal-LM architectures every family-wide test (and the launcher's ``--arch``) runs."""
 
-OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl", "glm4v")
+OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl", "glm4v", "glm4v_moe")
 """Architectures :func:`tiny_hf_config` also knows, tested in their own files rather than in every family-wide
 test: Gemma 3 text (``tests/mcore/test_gemma3_parity.py``) and the published multimodal Qwen3.5 / Qwen3.5-MoE
-checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL and
-GLM-4V (``tests/mcore/test_vision_language_parity.py``)."""
+checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL, GLM-4V
+and GLM-4.5V (``tests/mcore/test_vision_language_parity.py``)."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -71,6 +71,7 @@ _MULTIMODAL = {
     "qwen3_5_moe": ("Qwen3_5MoeConfig", _TINY_VISION, {}),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", _TINY_QWEN2_5_VISION, QWEN2_5_VL_TOKENS),
     "glm4v": ("Glm4vConfig", _TINY_GLM4V_VISION, _GLM4V_TOKENS),
+    "glm4v_moe": ("Glm4vMoeConfig", _TINY_GLM4V_VISION, _GLM4V_TOKENS),
 }
 """Archs saved as published multimodal checkpoints (HF ``…ForConditionalGeneration``): their ``per_arch`` entry is
 the language model's config (``text_config``), wrapped in this config class with this vision config and these
@@ -186,6 +187,13 @@ def tiny_hf_config(arch: str, **overrides: Any):
             dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [1, 1, 2],
                                   "partial_rotary_factor": 0.5}),
         ),
+        "glm4v_moe": (  # GLM-4.5V's language model: GLM-4.5's MoE layers without qk-norm (qkv biases, layer 0 dense,
+            # then the sigmoid router), mRoPE in halves on half of each head: (t, h, w) = 1 + 1 + 2 of its 4 frequencies
+            "Glm4vMoeTextConfig",
+            dict(**_SIGMOID_ROUTER, attention_bias=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [1, 1, 2],
+                                  "partial_rotary_factor": 0.5}),
+        ),
         "qwen3_5": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # Qwen3.5 text: hybrid layers, dense MLPs
         "qwen3_5_vl": ("Qwen3_5TextConfig", _GATED_DELTA_NET),  # published Qwen3.5: the same language model
         "qwen3_5_moe": (  # published Qwen3.5-MoE: hybrid layers, MoE in every layer with a gated shared expert
@@ -274,7 +282,8 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     hidden 32, patch 4, merge 2, windows of 16 pixels; special tokens :data:`QWEN2_5_VL_TOKENS`), ``"glm4v"`` (GLM-4V,
     ``Glm4vForConditionalGeneration``: GLM-4 layers (qkv biases, fused gate / up, four RMSNorms) with interleaved mRoPE
     sections (1, 1, 2) on half of each head, a two-block vision tower of hidden 32, patch 4, merge 2; the same image
-    token ids). Defaults: hidden 64,
+    token ids), ``"glm4v_moe"`` (GLM-4.5V, ``Glm4vMoeForConditionalGeneration``: ``"glm4_moe"``'s layers without
+    qk-norm, mRoPE sections (1, 1, 2) in halves on half of each head; GLM-4V's vision tower and ids). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around their initial value (1, or 0

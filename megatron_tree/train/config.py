@@ -36,7 +36,7 @@ from megatron_tree.attention import backend_names
 from megatron_tree.core.microbatch_spec import MicroBatchSpec
 from megatron_tree.runtime.tiny_models import TINY_ARCHS
 
-ARCHS = (*TINY_ARCHS, "qwen2_5_vl", "glm4v")
+ARCHS = (*TINY_ARCHS, "qwen2_5_vl", "glm4v", "glm4v_moe")
 WORKLOADS = ("grpo", "multi_turn")
 RECOMPUTE = ("none", "full", "selective")
 LOSSES = ("sft", "grpo", "ppo")

@@ -617,8 +617,8 @@ class Trainer:
         micro-batch split at branch points, their shared path computed in each part: chunks take no images)."""
         vision, problem = vision_packing_args(self.bridge), None
         if vision is None:
-            problem = ("the model has no vision tower (train a Qwen2.5-VL or GLM-4V checkpoint, or model.arch "
-                       "qwen2_5_vl / glm4v)")
+            problem = ("the model has no vision tower (train a Qwen2.5-VL, GLM-4V or GLM-4.5V checkpoint, or "
+                       "model.arch qwen2_5_vl / glm4v / glm4v_moe)")
         elif not self.tree_model:
             problem = "images need train.tree_training: true"
         elif self.ppo is not None:

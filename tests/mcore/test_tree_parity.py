@@ -207,7 +207,7 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest,
 # map inside backward (see tests/scripts/parity_dist.py). DeepSeek-V3 (MLA) at TP=2: log-probs only, as megatron-core
 # refuses to train an MoE under TP without sequence parallel, which needs the TE spec.
 DIST_CASES = ["tp2:qwen3:full", "tp2:qwen2_swa:full", "tp2:qwen2_5_vl:full", "ep2:mixtral_swa:forward", "ep2:qwen3_moe:forward", "ep2:qwen2_moe:forward", "ep2:mixtral:forward",
-              "ep2:glm4_moe:forward", "ep2:deepseek_v3:forward", "tp2:deepseek_v3:forward"]
+              "ep2:glm4_moe:forward", "ep2:deepseek_v3:forward", "tp2:deepseek_v3:forward", "ep2:glm4v_moe:forward"]
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from megatron_tree.runtime import save_tiny_hf_checkpoint, tiny_hf_config
 TOL = 1e-5
 
 
-MROPE_SECTION = {"qwen2_5_vl": [2, 3, 3], "glm4v": [1, 1, 2]}
+MROPE_SECTION = {"qwen2_5_vl": [2, 3, 3], "glm4v": [1, 1, 2], "glm4v_moe": [1, 1, 2]}
 
 
 @pytest.fixture(scope="module", params=sorted(MROPE_SECTION))
@@ -80,7 +80,7 @@ def test_bridge_builds_vision_language_model_and_exports_hf_weights(arch, checkp
     exported = dict(bridge.export_weights(chunks))
     assert exported.keys() == hf.keys()
     assert all(torch.equal(exported[k], hf[k]) for k in hf)
-    video = {"qwen2_5_vl": "video_token_id", "glm4v": "video_start_token_id"}[arch]  # GLM-4V: frames of image tokens
+    video = {"qwen2_5_vl": "video_token_id"}.get(arch, "video_start_token_id")  # GLM-4V(-MoE): frames of image tokens
     args = bridge.packing_args()
     assert args == dict(image_token_id=IMG, spatial_merge_size=2,
                         video_token_id=getattr(bridge.multimodal_config, video))
@@ -101,14 +101,6 @@ def test_interleaved_mrope_is_hf_glm4v_rope(cpu_megatron):
     torch.testing.assert_close(angles.sin(), sin[0])
     with pytest.raises(ValueError, match="must be three ints summing to the 4 rotated frequencies"):
         ours(positions, [2, 2, 2])
-
-
-def test_glm4v_moe_is_refused_in_one_line(tmp_path, cpu_megatron):
-    from transformers import Glm4vMoeConfig
-
-    Glm4vMoeConfig().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"GLM-4.5V \(model_type glm4v_moe\) is not supported for tree training"):
-        build_tree_model(tmp_path, wrap_with_ddp=False)
 
 
 def test_tree_logprobs_match_hf_and_depths_do_not(arch, checkpoint, forest):

@@ -4,7 +4,7 @@ Run: torchrun --standalone --nproc-per-node 2 tests/scripts/parity_dist.py WORK_
 with CASE = ``tp<N>:<arch>:<mode>`` or ``ep<N>:<arch>:<mode>``, mode ``full`` / ``selective``
 (recompute granularity of the gradient check) or ``forward`` (log-probs only), e.g.
 ``tp2:qwen3:full ep2:qwen3_moe:forward`` (``<arch>``: a tiny arch or a sliding-window case of
-``parity_common.SLIDING_WINDOW_CASES``, e.g. ``tp2:qwen2_swa:full``; ``qwen2_5_vl`` / ``glm4v``: image prompts,
+``parity_common.SLIDING_WINDOW_CASES``, e.g. ``tp2:qwen2_swa:full``; ``qwen2_5_vl`` / ``glm4v`` / ``glm4v_moe``: image prompts,
 gradients vs each sequence alone through the same tree model). For each case every rank builds the tree model (under
 patch_bridge_for_tree_training) at that parallel size and checks, on a branching forest, tree
 log-probs vs Hugging Face per sequence (< 1e-5); unless ``forward``, it also builds the upstream
@@ -51,13 +51,17 @@ def run_case(case: str, work_dir: str) -> tuple[float, float]:
     kind, arch, recompute = case.split(":")
     size = int(kind[2:])
     init_cpu_distributed(**{kind[:2]: size})
-    if arch in ("qwen2_5_vl", "glm4v"):  # image prompts: gradients vs each sequence alone through the same model
+    if arch in ("qwen2_5_vl", "glm4v", "glm4v_moe"):  # image prompts: gradients vs each sequence alone, same model
         path = save_tiny_hf_checkpoint(arch, os.path.join(work_dir, f"{kind}_{arch}"))
         seqs, images = vision_forest()
+        mbs, want = vision_micro_batches(seqs, images), hf_vision_logprobs(path, seqs, images)
+        if recompute == "forward":
+            tree = build_model(path, tree=True)[0].eval()
+            with torch.no_grad():
+                return max_diff(tree_logprobs(tree, mbs), want), 0.0
         model = build_model(path, tree=True, recompute=recompute)[0].train()
-        tree_grads, tree_lp, _ = tree_and_alone_backward(model, seqs, images, vision_micro_batches(seqs, images))
-        return max_diff(tree_lp, hf_vision_logprobs(path, seqs, images)), relative_grad_error(tree_grads,
-                                                                                              param_grads(model))
+        tree_grads, tree_lp, _ = tree_and_alone_backward(model, seqs, images, mbs)
+        return max_diff(tree_lp, want), relative_grad_error(tree_grads, param_grads(model))
     base, overrides = SLIDING_WINDOW_CASES.get(arch, (arch, {}))  # e.g. qwen2_swa: Qwen2 with a sliding window
     path = save_tiny_hf_checkpoint(base, os.path.join(work_dir, f"{kind}_{arch}"), **overrides)
     seqs = branching_forest()

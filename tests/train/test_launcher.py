@@ -365,6 +365,12 @@ def test_image_rollouts_train_glm4v_on_trees(tmp_path):
     _train_image_rollouts_one_step(tmp_path, "tiny_glm4v.yaml")
 
 
+@pytest.mark.slow
+def test_image_rollouts_train_glm4v_moe_on_trees(tmp_path):
+    """configs/tiny_glm4v_moe.yaml (GLM-4.5V: MoE layers, router statistics weighted by sharing) on image rollouts."""
+    _train_image_rollouts_one_step(tmp_path, "tiny_glm4v_moe.yaml")
+
+
 def test_rollout_file_run_logs_plain_lines_to_sinks(tmp_path, capsys, monkeypatch):
     """GRPO on the sample file (examples/make_rollouts.py) with JSONL and TensorBoard sinks; stdout
     is not a terminal, so no progress bar, only one line per step; no temporary files remain."""

@@ -8,20 +8,22 @@
   tower needs Transformer Engine): the language model with mRoPE and Hugging Face's vision tower.
 - :mod:`~megatron_tree.mcore.bridges.glm4v`: GLM-4V (``glm4v``, GLM-4.1V, replacing mbridge's own, Transformer Engine
   only): GLM-4 layers with interleaved mRoPE and Hugging Face's vision tower
-  (:mod:`~megatron_tree.mcore.bridges.vision_language` holds what the two share).
+  (:mod:`~megatron_tree.mcore.bridges.vision_language` holds what they share).
+- :mod:`~megatron_tree.mcore.bridges.glm4v_moe`: GLM-4.5V (``glm4v_moe``, replacing mbridge's own, Transformer Engine
+  only): GLM-4.5's MoE layers with multimodal RoPE and Hugging Face's vision tower.
 - :mod:`~megatron_tree.mcore.bridges.gemma3`: Gemma 3 text (``gemma3_text``; mbridge's ``gemma3`` is the
   vision-language model): local sliding-window and global layers with their own RoPE bases, sandwich norms.
 
 :func:`register_bridges` makes ``AutoBridge.from_pretrained`` find them; :func:`megatron_tree.build_tree_model`,
 :func:`megatron_tree.build_flat_model` and :func:`megatron_tree.patch_bridge_for_tree_training` call it. Registering
-adds model types, replaces mbridge's bridge for the types in :data:`REPLACED` and refuses those in :data:`REFUSED`; no
-other type changes. Idempotent.
+adds model types and replaces mbridge's bridge for the types in :data:`REPLACED`; no other type changes. Idempotent.
 """
 
 from __future__ import annotations
 
 from megatron_tree.mcore.bridges.gemma3 import Gemma3TextBridge
 from megatron_tree.mcore.bridges.glm4v import Glm4VBridge
+from megatron_tree.mcore.bridges.glm4v_moe import Glm4VMoeBridge
 from megatron_tree.mcore.bridges.qwen2_5_vl import Qwen25VLBridge
 from megatron_tree.mcore.bridges.qwen3_hybrid import (
     Qwen3NextBridge,
@@ -33,10 +35,10 @@ from megatron_tree.mcore.bridges.qwen3_hybrid import (
 
 __all__ = [
     "BRIDGES",
-    "REFUSED",
     "REPLACED",
     "Gemma3TextBridge",
     "Glm4VBridge",
+    "Glm4VMoeBridge",
     "Qwen25VLBridge",
     "Qwen35Bridge",
     "Qwen35MoeBridge",
@@ -55,25 +57,12 @@ BRIDGES = {
     "gemma3_text": Gemma3TextBridge,
     "qwen2_5_vl": Qwen25VLBridge,
     "glm4v": Glm4VBridge,
+    "glm4v_moe": Glm4VMoeBridge,
 }
 """HF ``model_type`` -> our bridge class."""
 
-REPLACED = frozenset({"qwen2_5_vl", "glm4v"})
+REPLACED = frozenset({"qwen2_5_vl", "glm4v", "glm4v_moe"})
 """Types mbridge 0.15.1 registers whose bridge ours replaces (mbridge's cannot build them for tree training)."""
-
-REFUSED = {
-    "glm4v_moe": "GLM-4.5V (model_type glm4v_moe) is not supported for tree training: its MoE language model and vision "
-                 "tower are not built (mbridge 0.15.1's bridge is Transformer Engine only); use a GLM-4.1V (glm4v) or "
-                 "Qwen2.5-VL checkpoint",
-}
-"""Types mbridge 0.15.1 registers that tree training does not build: ``AutoBridge`` raises this ``ValueError``."""
-
-
-def _refuse(model_type: str):
-    def refuse(hf_config, *args, **kwargs):
-        raise ValueError(REFUSED[model_type])
-
-    return refuse
 
 
 def register_bridges() -> None:
@@ -86,5 +75,3 @@ def register_bridges() -> None:
     for model_type, cls in BRIDGES.items():
         if model_type not in known or model_type in REPLACED:
             register_model(model_type)(cls)
-    for model_type in REFUSED:
-        register_model(model_type)(_refuse(model_type))
