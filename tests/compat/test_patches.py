@@ -480,6 +480,21 @@ def test_norm_topk_prob_fix_outlives_the_block(tmp_path, cpu_dist):
     assert bridge.config.moe_router_pre_softmax
 
 
+def test_fix_keeps_a_subclass_override_in_the_chain_after_the_block(tmp_path, cpu_dist):
+    """GLM-4.5V's bridge overrides _build_config (mRoPE sections, no qk-norm) above mbridge's GLM-4.5 bridge, whose
+    _build_config a compat fix wraps: rebuilt after the block, the config has both the override's and the fix's."""
+    from megatron_tree.mcore.bridges import register_bridges
+
+    path = save_tiny_hf_checkpoint("glm4v_moe", tmp_path)
+    with apply_compat_patches():
+        register_bridges()
+        bridge = AutoBridge.from_pretrained(path)
+    bridge.set_extra_args(attention_dropout=0.0)  # rebuilds bridge.config after the block
+    config = bridge.config
+    assert config.mrope_section == [1, 1, 2] and not config.qk_layernorm
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+
+
 def test_moe_forward_and_backward_with_no_block_open(tiny_paths, cpu_dist, monkeypatch):
     if getattr(moe_utils, "te_general_gemm", _ABSENT) is None:  # our fix, from an earlier block: undo it here
         monkeypatch.delattr(moe_utils, "te_general_gemm")
