@@ -18,9 +18,10 @@ TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "g
               "qwen3_next")
 """The causal-LM architectures every family-wide test (and the launcher's ``--arch``) runs."""
 
-OTHER_TINY_ARCHS = ("gemma3_text", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl", "glm4v", "glm4v_moe")
+OTHER_TINY_ARCHS = ("gemma3_text", "gemma3", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl", "glm4v", "glm4v_moe")
 """Architectures :func:`tiny_hf_config` also knows, tested in their own files rather than in every family-wide
-test: Gemma 3 text (``tests/mcore/test_gemma3_parity.py``) and the published multimodal Qwen3.5 / Qwen3.5-MoE
+test: Gemma 3 text and published Gemma 3, whose language model is built (``tests/mcore/test_gemma3_parity.py``), the
+published multimodal Qwen3.5 / Qwen3.5-MoE
 checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL, GLM-4V
 and GLM-4.5V (``tests/mcore/test_vision_language_parity.py``)."""
 
@@ -46,6 +47,24 @@ conv width 4), then one gated full-attention layer (RoPE on a quarter of each he
 
 
 _GEMMA3_LAYER = "sliding_attention"
+_VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+"""Where the multimodal checkpoints keep their vision towers (Gemma 3: a SigLIP tower and a projector)."""
+_GEMMA3_TEXT = dict(
+    num_hidden_layers=6,
+    layer_types=[_GEMMA3_LAYER, _GEMMA3_LAYER, "full_attention"] * 2,
+    head_dim=16,
+    query_pre_attn_scalar=24,  # attention scale 24 ** -0.5, not head_dim ** -0.5
+    sliding_window=4,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+    tie_word_embeddings=True,
+)
+"""Gemma 3's language model, tiny: 6 layers, every 3rd global."""
+
+_TINY_SIGLIP_VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           image_size=16, patch_size=4)
+"""Gemma 3's SigLIP vision tower, tiny: one block over a 4 x 4 patch grid (pooled to 2 x 2 image tokens)."""
+
 _TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, num_position_embeddings=16)
 """A one-block vision tower (``vision_config``; ``out_hidden_size`` is the language model's hidden size)."""
 
@@ -72,6 +91,8 @@ _MULTIMODAL = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", _TINY_QWEN2_5_VISION, QWEN2_5_VL_TOKENS),
     "glm4v": ("Glm4vConfig", _TINY_GLM4V_VISION, _GLM4V_TOKENS),
     "glm4v_moe": ("Glm4vMoeConfig", _TINY_GLM4V_VISION, _GLM4V_TOKENS),
+    "gemma3": ("Gemma3Config", _TINY_SIGLIP_VISION,
+               dict(mm_tokens_per_image=4, boi_token_index=150, eoi_token_index=151, image_token_index=152)),
 }
 """Archs saved as published multimodal checkpoints (HF ``…ForConditionalGeneration``): their ``per_arch`` entry is
 the language model's config (``text_config``), wrapped in this config class with this vision config and these
@@ -214,20 +235,10 @@ def tiny_hf_config(arch: str, **overrides: Any):
                 mlp_only_layers=[1],
             ),
         ),
-        "gemma3_text": (  # Gemma 3 text: local (sliding window 4, RoPE base 10k) and global layers (RoPE base 1M,
-            # linear scaling 8 as the 4B-27B models), sandwich norms, qk-norm, GeGLU, tied and scaled embeddings
-            "Gemma3TextConfig",
-            dict(
-                num_hidden_layers=6,
-                layer_types=[_GEMMA3_LAYER, _GEMMA3_LAYER, "full_attention"] * 2,
-                head_dim=16,
-                query_pre_attn_scalar=24,  # attention scale 24 ** -0.5, not head_dim ** -0.5
-                sliding_window=4,
-                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
-                tie_word_embeddings=True,
-            ),
-        ),
+        "gemma3_text": ("Gemma3TextConfig", _GEMMA3_TEXT),  # Gemma 3 text: local (sliding window 4, RoPE base 10k)
+        # and global layers (RoPE base 1M, linear scaling 8 as the 4B-27B models), sandwich norms, qk-norm, GeGLU,
+        # tied and scaled embeddings
+        "gemma3": ("Gemma3TextConfig", _GEMMA3_TEXT),  # published Gemma 3 (4B-27B): the same language model
     }
     if arch not in per_arch:
         raise ValueError(f"arch={arch!r} is not a tiny test architecture; use one of {TINY_ARCHS + OTHER_TINY_ARCHS}")
@@ -244,7 +255,7 @@ def tiny_hf_config(arch: str, **overrides: Any):
         raise ValueError(f"unknown {class_name} key(s) {unknown} for arch={arch!r}; {fix}")
     kwargs = {**common, **extra, **overrides}
     if "layer_types" in extra and "layer_types" not in overrides:  # follow num_hidden_layers
-        every, other = (3, _GEMMA3_LAYER) if arch == "gemma3_text" else (4, "linear_attention")
+        every, other = (3, _GEMMA3_LAYER) if arch.startswith("gemma3") else (4, "linear_attention")
         kwargs["layer_types"] = ["full_attention" if (i + 1) % every == 0 else other
                                  for i in range(kwargs["num_hidden_layers"])]
     config = config_class(**kwargs)
@@ -283,7 +294,9 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
     ``Glm4vForConditionalGeneration``: GLM-4 layers (qkv biases, fused gate / up, four RMSNorms) with interleaved mRoPE
     sections (1, 1, 2) on half of each head, a two-block vision tower of hidden 32, patch 4, merge 2; the same image
     token ids), ``"glm4v_moe"`` (GLM-4.5V, ``Glm4vMoeForConditionalGeneration``: ``"glm4_moe"``'s layers without
-    qk-norm, mRoPE sections (1, 1, 2) in halves on half of each head; GLM-4V's vision tower and ids). Defaults: hidden 64,
+    qk-norm, mRoPE sections (1, 1, 2) in halves on half of each head; GLM-4V's vision tower and ids), ``"gemma3"``
+    (published Gemma 3, ``Gemma3ForConditionalGeneration``: ``"gemma3_text"``'s language model under
+    ``model.language_model``, a one-block SigLIP tower pooled to 2 x 2 image tokens). Defaults: hidden 64,
     2 layers, 4 heads of dim 16, 2 KV heads (GQA), FFN 128 (expert FFN 32), vocab 160,
     RoPE theta 1e6, untied embeddings; ``overrides`` are passed to the HF config class.
     Every parameter is drawn from a ``seed``-ed generator, norm weights around their initial value (1, or 0
@@ -305,7 +318,7 @@ def save_tiny_hf_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0
         model = auto_class.from_config(config).to(torch.float32)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            vision_last = sorted(model.named_parameters(), key=lambda item: item[0].startswith("model.visual."))
+            vision_last = sorted(model.named_parameters(), key=lambda item: item[0].startswith(_VISION_PREFIXES))
             for name, param in vision_last:
                 noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
                 is_norm = param.ndim == 1 and "norm" in name

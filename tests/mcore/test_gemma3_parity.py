@@ -6,7 +6,8 @@ zero-centred norms per layer, q/k norms, tanh GeGLU, tied embeddings scaled by `
 variant at head dim 256. On :func:`branching_forest` (branches up to 12 tokens after a shared prompt, longer than
 the window): tree log-probs vs HF per sequence, the upstream model vs HF, gradients of the tree vs the upstream
 model per sequence (full recompute), chunks of trees larger than a micro-batch, weights exported as HF holds them;
-and what the checks catch (one RoPE base for all layers, local RoPE by packed index, no window).
+and what the checks catch (one RoPE base for all layers, local RoPE by packed index, no window). The published Gemma 3
+(``gemma3``, ``Gemma3ForConditionalGeneration``) builds its language model; InternVL is refused.
 """
 
 from __future__ import annotations
@@ -72,6 +73,38 @@ def test_bridge_builds_gemma3_layers_and_exports_hf_weights(checkpoints):
     exported = dict(bridge.export_weights(chunks))
     assert exported.keys() == hf.keys()
     assert all(torch.equal(exported[k], hf[k]) for k in hf)
+
+
+def test_published_gemma3_builds_its_language_model(tmp_path, forest, cpu_megatron):
+    """A published Gemma 3 checkpoint (``gemma3``, 4B-27B: ``Gemma3ForConditionalGeneration``) builds its language
+    model: tree log-probs vs HF's whole model run per sequence on text, the language model's tensors exported under the
+    checkpoint's names (not the SigLIP tower's)."""
+    seqs, mbs = forest
+    path = save_tiny_hf_checkpoint("gemma3", tmp_path / "gemma3")
+    bridge, chunks = build_tree_model(path, wrap_with_ddp=False)
+    with torch.no_grad():
+        err = max_diff(tree_logprobs(chunks[0].eval(), mbs), hf_logprobs(path, seqs))
+    print(f"published gemma3: tree vs HF {err:.3g}")
+    assert err < TOL
+    hf = load_file(Path(path) / "model.safetensors")
+    language = {k for k in hf if k.startswith("language_model.")}  # the published checkpoints' names
+    assert language and any(k.startswith("vision_tower.") for k in hf)
+    exported = dict(bridge.export_weights(chunks))
+    assert exported.keys() == language and all(torch.equal(exported[k], hf[k]) for k in language)
+
+
+def test_internvl_is_refused_in_one_line(cpu_megatron):
+    from mbridge import AutoBridge
+    from transformers import PretrainedConfig
+
+    from megatron_tree.mcore.bridges import register_bridges
+
+    class InternVLChatConfig(PretrainedConfig):  # InternVL checkpoints ship their config class (trust_remote_code)
+        model_type = "internvl_chat"
+
+    register_bridges()
+    with pytest.raises(ValueError, match=r"InternVL \(model_type internvl_chat\) is not supported for tree training"):
+        AutoBridge.from_config(InternVLChatConfig())
 
 
 def test_transformer_engine_overrides_keep_the_tanh_geglu_unfused(checkpoints):

@@ -11,17 +11,19 @@
   (:mod:`~megatron_tree.mcore.bridges.vision_language` holds what they share).
 - :mod:`~megatron_tree.mcore.bridges.glm4v_moe`: GLM-4.5V (``glm4v_moe``, replacing mbridge's own, Transformer Engine
   only): GLM-4.5's MoE layers with multimodal RoPE and Hugging Face's vision tower.
-- :mod:`~megatron_tree.mcore.bridges.gemma3`: Gemma 3 text (``gemma3_text``; mbridge's ``gemma3`` is the
-  vision-language model): local sliding-window and global layers with their own RoPE bases, sandwich norms.
+- :mod:`~megatron_tree.mcore.bridges.gemma3`: Gemma 3 text (``gemma3_text``) and the language model of the published
+  Gemma 3 (``gemma3``, replacing mbridge's own vision-language model, Transformer Engine only; text-only prompts):
+  local sliding-window and global layers with their own RoPE bases, sandwich norms.
 
 :func:`register_bridges` makes ``AutoBridge.from_pretrained`` find them; :func:`megatron_tree.build_tree_model`,
 :func:`megatron_tree.build_flat_model` and :func:`megatron_tree.patch_bridge_for_tree_training` call it. Registering
-adds model types and replaces mbridge's bridge for the types in :data:`REPLACED`; no other type changes. Idempotent.
+adds model types, replaces mbridge's bridge for the types in :data:`REPLACED` and refuses those in :data:`REFUSED`; no
+other type changes. Idempotent.
 """
 
 from __future__ import annotations
 
-from megatron_tree.mcore.bridges.gemma3 import Gemma3TextBridge
+from megatron_tree.mcore.bridges.gemma3 import Gemma3LanguageModelBridge, Gemma3TextBridge
 from megatron_tree.mcore.bridges.glm4v import Glm4VBridge
 from megatron_tree.mcore.bridges.glm4v_moe import Glm4VMoeBridge
 from megatron_tree.mcore.bridges.qwen2_5_vl import Qwen25VLBridge
@@ -35,7 +37,9 @@ from megatron_tree.mcore.bridges.qwen3_hybrid import (
 
 __all__ = [
     "BRIDGES",
+    "REFUSED",
     "REPLACED",
+    "Gemma3LanguageModelBridge",
     "Gemma3TextBridge",
     "Glm4VBridge",
     "Glm4VMoeBridge",
@@ -55,14 +59,29 @@ BRIDGES = {
     "qwen3_5": Qwen35VLBridge,
     "qwen3_5_moe": Qwen35MoeVLBridge,
     "gemma3_text": Gemma3TextBridge,
+    "gemma3": Gemma3LanguageModelBridge,
     "qwen2_5_vl": Qwen25VLBridge,
     "glm4v": Glm4VBridge,
     "glm4v_moe": Glm4VMoeBridge,
 }
 """HF ``model_type`` -> our bridge class."""
 
-REPLACED = frozenset({"qwen2_5_vl", "glm4v", "glm4v_moe"})
+REPLACED = frozenset({"qwen2_5_vl", "glm4v", "glm4v_moe", "gemma3"})
 """Types mbridge 0.15.1 registers whose bridge ours replaces (mbridge's cannot build them for tree training)."""
+
+REFUSED = {
+    "internvl_chat": "InternVL (model_type internvl_chat) is not supported for tree training: megatron_tree builds no "
+                     "InternVL vision tower or language model with tree attention; use a Qwen2.5-VL, GLM-4V or "
+                     "GLM-4.5V checkpoint, or a text model",
+}
+"""Types mbridge 0.15.1 registers that tree training does not build: ``AutoBridge`` raises this ``ValueError``."""
+
+
+def _refuse(model_type: str):
+    def refuse(hf_config, *args, **kwargs):
+        raise ValueError(REFUSED[model_type])
+
+    return refuse
 
 
 def register_bridges() -> None:
@@ -75,3 +94,5 @@ def register_bridges() -> None:
     for model_type, cls in BRIDGES.items():
         if model_type not in known or model_type in REPLACED:
             register_model(model_type)(cls)
+    for model_type in REFUSED:
+        register_model(model_type)(_refuse(model_type))

@@ -1,5 +1,7 @@
 """mbridge bridge of Gemma 3 text models (``model_type="gemma3_text"``, HF ``Gemma3ForCausalLM``: Gemma 3 1B, or the
-language model of a larger Gemma 3 saved on its own).
+language model of a larger Gemma 3 saved on its own), and of the language model of the published Gemma 3 4B-27B
+checkpoints (``model_type="gemma3"``, HF ``Gemma3ForConditionalGeneration``: :class:`Gemma3LanguageModelBridge`,
+text-only prompts).
 
 mbridge 0.15.1 registers ``gemma3`` only: the vision-language model, built from its own Transformer-Engine-only
 layers (a ``MemoryEfficientAttention`` core attention, exact-erf GeLU where Gemma has the tanh form, one RoPE table
@@ -31,9 +33,10 @@ from mbridge.core.llm_bridge import LLMBridge
 
 from megatron_tree.compat.mbridge import hf_window_args
 from megatron_tree.core.platform import have_transformer_engine
+from megatron_tree.mcore.bridges.language_model import LanguageModelOf
 from megatron_tree.mcore.gemma3_spec import gemma3_block_spec
 
-__all__ = ["Gemma3TextBridge", "gelu_tanh"]
+__all__ = ["Gemma3LanguageModelBridge", "Gemma3TextBridge", "gelu_tanh"]
 
 _LAYER = "model.layers.{layer_number}"
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -164,3 +167,13 @@ class Gemma3TextBridge(LLMBridge):
 
     def _get_hf_shared_weight_keys(self) -> list[str]:
         return ["model.embed_tokens.weight"] if getattr(self.hf_config, "tie_word_embeddings", False) else []
+
+
+class Gemma3LanguageModelBridge(LanguageModelOf, Gemma3TextBridge):
+    """The language model of a published Gemma 3 checkpoint (HF ``Gemma3ForConditionalGeneration``,
+    ``model_type="gemma3"``, 4B-27B): :class:`Gemma3TextBridge` on its ``text_config`` and its language model's
+    weights (``language_model.model.*``, as the published checkpoints and transformers 5 store them); its SigLIP
+    vision tower is not built (text-only prompts: Gemma 3's image tokens attend to each other both ways, which tree
+    attention does not compute)."""
+
+    language_model_prefix = "language_model.model."
