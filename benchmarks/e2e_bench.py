@@ -10,8 +10,9 @@
 Flat = every sequence its own causal chain, packed several to a micro-batch up to the same
 ``max_tokens_per_mb``. With Transformer Engine that is Megatron's sequence packing: the upstream
 model, each sequence a THD segment through TE's cuDNN fused attention
-(``flat_forward_backward``; baseline ``te_thd_cudnn`` in the JSON). Without TE, flat
-micro-batches run through the tree model's own kernel (``tree_kernel_chains``). Gated DeltaNet layers
+(``flat_forward_backward``; baseline ``te_thd_cudnn`` in the JSON). Without TE, or at a head dim where TE's THD
+backward is wrong (256: ``packed_seq.thd_backward_refusal``), flat micro-batches run through the tree model's own
+kernel (``tree_kernel_chains``). Gated DeltaNet layers
 (Qwen3.5 / Qwen3-Next shapes) run the same kernels in both modes: per tree level, or per packed
 sequence (THD); fla is off (not trusted on Hopper), so both use the exact PyTorch chunked rule. Tree = prefix
 trees. Both run Megatron's ``forward_backward_func`` + optimizer step on the same bf16 model
