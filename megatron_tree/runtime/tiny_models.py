@@ -20,10 +20,10 @@ TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "g
 
 OTHER_TINY_ARCHS = ("gemma3_text", "gemma3", "qwen3_5_vl", "qwen3_5_moe", "qwen2_5_vl", "glm4v", "glm4v_moe")
 """Architectures :func:`tiny_hf_config` also knows, tested in their own files rather than in every family-wide
-test: Gemma 3 text and published Gemma 3, whose language model is built (``tests/mcore/test_gemma3_parity.py``), the
-published multimodal Qwen3.5 / Qwen3.5-MoE
-checkpoints, whose language model is built (``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL, GLM-4V
-and GLM-4.5V (``tests/mcore/test_vision_language_parity.py``)."""
+test: Gemma 3 text and the published Gemma 3, whose language model is built (``tests/mcore/test_gemma3_parity.py``),
+the published multimodal Qwen3.5 / Qwen3.5-MoE checkpoints, whose language model is built
+(``tests/mcore/test_gated_delta_net_parity.py``), and Qwen2.5-VL, GLM-4V and GLM-4.5V
+(``tests/mcore/test_vision_language_parity.py``)."""
 
 
 _DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,

@@ -18,7 +18,8 @@ The vision tower is Hugging Face's ``Glm4vVisionModel`` under ``model.visual.*``
 between ``image_start_token_id`` and ``image_end_token_id``; a sequence with ``video_start_token_id`` (GLM-4V's
 video frames are image-token runs after it) is refused by ``pack_vision_trees``.
 
-Refused: videos; pipeline, context and sequence parallel (at build). GLM-4.5V: :mod:`~megatron_tree.mcore.bridges.glm4v_moe`.
+Refused: videos; pipeline, context and sequence parallel (at build). GLM-4.5V:
+:mod:`~megatron_tree.mcore.bridges.glm4v_moe`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@
   weights load and export under :attr:`VisionLanguageBridge.vision_prefix` with the rest.
 
 Bridges: :class:`~megatron_tree.mcore.bridges.qwen2_5_vl.Qwen25VLBridge`,
-:class:`~megatron_tree.mcore.bridges.glm4v.Glm4VBridge`, :class:`~megatron_tree.mcore.bridges.glm4v_moe.Glm4VMoeBridge`. Refused (at build): pipeline, context and sequence
-parallel; video inputs are never built (images only: :meth:`VisionLanguageBridge.packing_args`).
+:class:`~megatron_tree.mcore.bridges.glm4v.Glm4VBridge`, :class:`~megatron_tree.mcore.bridges.glm4v_moe.Glm4VMoeBridge`.
+Refused (at build): pipeline, context and sequence parallel; video inputs are never built (images only:
+:meth:`VisionLanguageBridge.packing_args`).
 """
 
 from __future__ import annotations
