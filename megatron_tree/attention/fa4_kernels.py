@@ -36,6 +36,8 @@ Triton kernels bit for bit against torch).
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Callable
 
 import cutlass
@@ -56,6 +58,11 @@ from megatron_tree.core.patching import AttrPatch
 _KINDS: dict[int, bool] = {}
 """id(mask_mod) -> whether it reads query slots (aux_tensors[1])."""
 _ORIGINAL_APPLY_MASK = AttentionMask.apply_mask
+_SOURCE_HASH = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
+                                       for name in ("fa4.py", "fa4_kernels.py"))).hexdigest()[:16]
+"""The tree ``mask_mod`` s' and the lean mask's source, hashed: their FA4 compile-cache key (``__cute_hash__``), so a
+kernel compiled from other sources, e.g. in FA4's persistent cache (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``,
+keyed by flash_attn's own sources only), is never reused."""
 
 
 def lean_tree_mask(tree_mask: Callable, tree_mask_query_slots: Callable) -> None:
@@ -63,7 +70,7 @@ def lean_tree_mask(tree_mask: Callable, tree_mask_query_slots: Callable) -> None
     _KINDS[id(tree_mask)] = False
     _KINDS[id(tree_mask_query_slots)] = True
     for fn, tag in ((tree_mask, "tree"), (tree_mask_query_slots, "tree_slots")):
-        fn.__cute_hash__ = f"megatron_tree.{tag}.lean_sm90_mask.v1"
+        fn.__cute_hash__ = f"megatron_tree.{tag}.lean_sm90_mask.{_SOURCE_HASH}"
     for patch in _SWAPS:
         if vars(patch.owner)[patch.name] is not patch.new:
             patch.apply()
