@@ -118,6 +118,11 @@ GATED_ATTENTION = ("qwen3_5_text", "qwen3_next")
 """HF model types whose full-attention ``q_proj`` also computes a per-head output gate (twice the query width)."""
 
 
+def head_dim(cfg) -> int:
+    """The attention head dim of HF config ``cfg``: ``head_dim``, else hidden size / heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def flops_per_token_and_pair(cfg) -> tuple[float, float]:
     """fwd+bwd FLOPs (3x forward) of one token through everything that grows with tokens (the linear layers, the Gated
     DeltaNet layers, the output layer), and of one (q, k) pair through the full-attention layers (QK^T and PV).
@@ -139,7 +144,7 @@ def flops_per_token_and_pair(cfg) -> tuple[float, float]:
         q = h * cfg.q_lora_rank + cfg.q_lora_rank * nq * d_qk if getattr(cfg, "q_lora_rank", None) else h * nq * d_qk
         attn_proj = q + h * (rank + cfg.qk_rope_head_dim) + rank * nq * (cfg.qk_nope_head_dim + d_v) + nq * d_v * h
     else:
-        d_qk = d_v = getattr(cfg, "head_dim", None) or h // nq
+        d_qk = d_v = head_dim(cfg)
         gate = 2 if cfg.model_type in GATED_ATTENTION else 1
         attn_proj = h * gate * nq * d_qk + 2 * h * nkv * d_qk + nq * d_qk * h
     gdn = 0
@@ -310,11 +315,11 @@ def main():
         # a THD segment through cuDNN fused attention. Without TE, or where TE's THD backward is wrong
         # (thd_backward_refusal: head dim 256), flat micro-batches run through the tree model's own kernel
         # (each sequence its own chain), on the same model as the tree steps.
-        refusal = thd_backward_refusal(getattr(hf_config, "head_dim", None) or
-                                       hf_config.hidden_size // hf_config.num_attention_heads)
-        te = cuda and have_transformer_engine() and refusal is None
-        if refusal and cuda and have_transformer_engine():
+        te = cuda and have_transformer_engine()
+        refusal = te and thd_backward_refusal(head_dim(hf_config))
+        if refusal:
             print(f"e2e_bench: flat baseline tree_kernel_chains, not te_thd_cudnn: {refusal}", flush=True)
+            te = False
         baseline = "te_thd_cudnn" if te else "tree_kernel_chains"
         vocab = hf_config.vocab_size
         per_token, per_pair = flops_per_token_and_pair(hf_config)
