@@ -26,16 +26,21 @@ computed (query, key) pairs, on the single global trie: :func:`flops_per_token_a
 fraction of the former; with
 ``--profile`` (default) also one profiled step per mode (``step_profile.py``: kernel time
 by category and the top kernels, the log-prob and optimizer regions, device idle time and
-the host ops it falls in).
+the host ops it falls in); with ``--host-profile`` one more step per mode under cProfile, its top Python functions
+by own time and by cumulative time written to ``<out>.host_<workload>_<mode>.txt`` (where a host-bound step's time
+goes; cProfile's own overhead inflates it).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import io
 import math
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -238,6 +243,26 @@ def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) ->
     return times, optimizer_times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
+def host_profile(fn, path: str, top: int = 60) -> None:
+    """Run ``fn()`` once under cProfile (synchronised at both ends on CUDA) and write its ``top`` functions by own
+    time, then by cumulative time, to ``path``."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.runcall(fn)
+    if cuda:
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    text.write(f"wall {time.perf_counter() - start:.3f} s (under cProfile)\n")
+    stats = pstats.Stats(profiler, stream=text)
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(top)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+
+
 def init_one_process(cuda: bool) -> None:
     """torch.distributed and megatron-core parallel state for one process (gloo CPU mode off CUDA)."""
     from megatron_tree.runtime import init_distributed
@@ -281,6 +306,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="add one profiled step per mode: kernel time by category, logprobs, optimizer, idle")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="add one cProfile'd step per mode; its top functions go to <out>.host_<workload>_<mode>.txt")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke runs)")
     ap.add_argument("--attention-backend", default="auto", help="tree attention backend of the tree steps")
     ap.add_argument("--modes", default="flat,tree", help="which of flat,tree to run")
@@ -359,6 +386,9 @@ def main():
                                  tflops_per_s=flops / step_s / 1e12)
                 if args.profile:
                     row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))
+                if args.host_profile:
+                    host_profile(lambda: train_step(model, optimizer, mbs, loss_fn, run),
+                                 f"{os.path.splitext(args.out)[0]}.host_{name}_{mode}.txt")
                 write(args.out, rows, baseline)  # after every run: a cut-short run keeps its rows
             if "flat" not in row or "tree" not in row:
                 for m in modes:

@@ -39,13 +39,16 @@ def test_e2e_bench_cpu_smoke(tmp_path):
 
 def test_e2e_bench_chunked_trees_compute_each_token_once(tmp_path):
     """``--chunk-trees`` with micro-batches smaller than the trees: the tree steps compute exactly the global trie's
-    tokens and (query, key) pairs, so the packed ideal is the global one."""
+    tokens and (query, key) pairs, so the packed ideal is the global one. ``--host-profile`` writes each mode's
+    cProfile'd step (the chunk schedule among the tree step's functions)."""
     out = tmp_path / "e2e.json"
     cmd = [sys.executable, "benchmarks/e2e_bench.py", "--model", "tiny", "--scale", "0.02", "--max-tokens-per-mb", "48",
            "--chunk-trees", "--flat-max-tokens-per-mb", "256", "--workloads", "grpo", "--warmup", "0", "--steps", "1",
-           "--no-profile", "--out", str(out)]
+           "--no-profile", "--host-profile", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=cpu_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "chunk_schedule.py" in (tmp_path / "e2e.host_grpo_tree.txt").read_text()
+    assert "ordered by: cumulative time" in (tmp_path / "e2e.host_grpo_flat.txt").read_text().lower()
     (row,) = json.loads(out.read_text())["rows"]
     assert row["chunk_trees"] and row["tree"]["max_mb_slots"] <= 128  # 48 slots padded to a multiple of 128
     assert row["tree"]["computed_tokens"] == row["unique_tokens"] and row["tree"]["computed_pairs"] == row["tree_pairs"]
