@@ -243,7 +243,7 @@ def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) ->
     return times, optimizer_times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
-def host_profile(fn, path: str, top: int = 60) -> None:
+def host_profile(fn, path: str, top: int = 100) -> None:
     """Run ``fn()`` once under cProfile (synchronised at both ends on CUDA) and write its ``top`` functions by own
     time, then by cumulative time, to ``path``."""
     cuda = torch.cuda.is_available()

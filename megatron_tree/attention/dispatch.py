@@ -59,6 +59,7 @@ from megatron_tree.attention import fa4 as fa4_attention
 from megatron_tree.attention import flex as flex_attention
 from megatron_tree.attention import te_chains as chain_attention
 from megatron_tree.attention.shapes import AttentionShape, device_generation
+from megatron_tree.core import host_checks
 from megatron_tree.core.masks import check_window
 from megatron_tree.core.platform import have_transformer_engine
 
@@ -238,12 +239,14 @@ def check_subtree_end(subtree_end: torch.Tensor, batch: int, slots: int) -> None
 
 
 def check_subtree_end_values(subtree_end: torch.Tensor) -> None:
-    """Raise unless ``j < subtree_end[:, j] <= s`` for every slot j (one host sync)."""
-    slots = subtree_end.shape[-1]
-    idx = torch.arange(slots, device=subtree_end.device)
-    ok = (subtree_end > idx) & (subtree_end <= slots)
-    if not bool(ok.all()):
-        bad = (~ok).nonzero()[:8].tolist()
+    """Raise unless ``j < subtree_end[:, j] <= s`` for every slot j (one host sync, none for a mask
+    ``TreeMicroBatch.to`` checked on the host: :mod:`megatron_tree.core.host_checks`)."""
+    if host_checks.recall(subtree_end, "interval_vector"):
+        return
+    if not host_checks.interval_vector_ok(subtree_end):
+        slots = subtree_end.shape[-1]
+        idx = torch.arange(slots, device=subtree_end.device)
+        bad = (~((subtree_end > idx) & (subtree_end <= slots))).nonzero()[:8].tolist()
         raise ValueError(
             f"tree attention_mask is not an interval vector: every slot j needs "
             f"j < subtree_end[b, j] <= {slots}; violated at [b, j] = {bad} with values "

@@ -22,7 +22,7 @@ K/V heads with atomics, after zero-filling them, and converts them in two more k
 query heads (the kernel then writes each head's dK / dV directly) and adds the two heads' dK / dV
 (each rounded to bf16 once before the add): the tree kernels' key tiles are short (a mean of 23 / 15
 query tiles per key tile on the 32k GRPO / multi-turn trees), so the atomic epilogue, the fills and the
-conversions cost more than the two copies and the add (two small Triton kernels, any memory order).
+conversions cost more than the two copies and the add (two torch element-wise kernels, any memory order).
 
 Mask (as the ``mask_mod`` s in :mod:`megatron_tree.attention.fa4`): query position ``p`` (its row,
 or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``kv`` iff
@@ -30,8 +30,8 @@ or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``k
 
 Imports ``flash_attn.cute`` and the CuTe DSL: imported by :mod:`megatron_tree.attention.fa4` only where
 FA4 runs. Checked on the H200 by ``tests/attention/test_fa4_attention.py`` (against the dense reference; bit for bit
-against FA4's element-wise masking of the same predicate; the GQA backward against FA4's own, and its two
-Triton kernels bit for bit against torch).
+against FA4's element-wise masking of the same predicate; the GQA backward against FA4's own, and its head
+repeat / pair sum bit for bit against a plain torch reference).
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ from typing import Callable
 import cutlass
 import cutlass.cute as cute
 import torch
-import triton
-import triton.language as tl
 from cutlass import Float32, Int32, const_expr
 from flash_attn.cute import interface as fa4_interface
 from flash_attn.cute.mask import AttentionMask
@@ -142,53 +140,20 @@ def _bwd_per_query_head(q, k, v, out, dout, lse, *args, mask_mod=None, **kwargs)
 
 def _repeat_heads(x: torch.Tensor) -> torch.Tensor:
     """x [b, T, hkv, d] -> [b, T, 2 hkv, d], head i = x's head i // 2, in x's memory order (head-major, or
-    token-major as Megatron's [T, b, hkv, d])."""
+    token-major as Megatron's [T, b, hkv, d]); one copy kernel."""
     b, t, h, d = x.shape
     head_major = x.stride(2) > x.stride(1)
     y = torch.empty(b, 2 * h, t, d, dtype=x.dtype, device=x.device).transpose(1, 2) if head_major \
         else torch.empty(b, t, 2 * h, d, dtype=x.dtype, device=x.device)
-    return _launch(_repeat_pairs, x, y, h)
-
-
-def _add_head_pairs(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """x [b, T, 2 hkv, d] -> [b, T, hkv, d] laid out as ``like``, head j = x's heads 2j + 2j+1 added in fp32."""
-    return _launch(_sum_pairs, x, torch.empty_like(like), like.shape[2])
-
-
-def _launch(kernel, x: torch.Tensor, y: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Run ``kernel`` over x -> y, one program per (32 rows, K/V head, batch); returns y."""
-    assert x.stride(-1) == 1 and y.stride(-1) == 1
-    b, t, _, d = x.shape
-    block_t = 32
-    kernel[(triton.cdiv(t, block_t), kv_heads, b)](
-        x, y, t, *x.stride()[:3], *y.stride()[:3], D=d, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d))
+    y.unflatten(2, (h, 2)).copy_(x.unsqueeze(3))
     return y
 
 
-@triton.jit
-def _repeat_pairs(x, y, t, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    inside = (rows < t) & (cols < D)
-    vals = tl.load(x + batch * sx_b + head * sx_h + rows * sx_t + cols, mask=inside)
-    dst = y + batch * sy_b + 2 * head * sy_h + rows * sy_t + cols
-    tl.store(dst, vals, mask=inside)
-    tl.store(dst + sy_h, vals, mask=inside)
-
-
-@triton.jit
-def _sum_pairs(x, y, t, sx_b, sx_t, sx_h, sy_b, sy_t, sy_h, D: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    inside = (rows < t) & (cols < D)
-    src = x + batch * sx_b + 2 * head * sx_h + rows * sx_t + cols
-    total = tl.load(src, mask=inside).to(tl.float32) + tl.load(src + sx_h, mask=inside).to(tl.float32)
-    total = total.to(y.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(y + batch * sy_b + head * sy_h + rows * sy_t + cols, total, mask=inside)
+def _add_head_pairs(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x [b, T, 2 hkv, d] -> [b, T, hkv, d] laid out as ``like``, head j = x's heads 2j + 2j+1 added (one kernel:
+    torch adds bf16 in fp32 and rounds once)."""
+    pairs = x.unflatten(2, (like.shape[2], 2))
+    return torch.add(pairs[:, :, :, 0], pairs[:, :, :, 1], out=torch.empty_like(like))
 
 
 # FA4's _flash_attn_bwd finds its kernel cache as an attribute of the function its module name holds (ours).

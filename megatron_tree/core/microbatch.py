@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_tree.core import host_checks
+
 
 @dataclass(frozen=True)
 class TreeChunk:
@@ -190,10 +192,21 @@ class TreeMicroBatch:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "TreeMicroBatch":
-        """Copy of this micro-batch with every tensor field on ``device`` (host-side fields shared)."""
+        """Copy of this micro-batch with every tensor field on ``device`` (host-side fields shared). Moving from the
+        CPU, the masks' interval check and the log-prob slots' and labels' ranges are computed on the CPU copy and
+        noted on the moved tensors (:mod:`~megatron_tree.core.host_checks`): the kernels' input checks then need no
+        host sync."""
         moved = {
             f.name: value.to(device, non_blocking=non_blocking)
             for f in dataclasses.fields(self)
             if isinstance(value := getattr(self, f.name), torch.Tensor)
         }
+        for name, tensor in moved.items():
+            source = getattr(self, name)
+            if tensor is source or source.device.type != "cpu":
+                continue
+            if name in ("attention_mask", "context_mask") and host_checks.interval_vector_ok(source):
+                host_checks.remember(tensor, interval_vector=True)
+            elif name in ("logprob_slots", "logprob_labels"):
+                host_checks.remember(tensor, value_range=host_checks.value_range(source))
         return dataclasses.replace(self, **moved)

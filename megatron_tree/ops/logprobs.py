@@ -42,6 +42,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_tree.core import host_checks
 from megatron_tree.core.microbatch import TreeMicroBatch
 
 _CHUNK_ELEMENTS = 1 << 26
@@ -247,12 +248,19 @@ def _check_across_ranks(
     """Check shard sizes agree across ``tp_group`` and slots / labels are in range.
 
     One MAX all-reduce of 8 int64 scalars and one host sync; every rank sees the same
-    result, so all ranks raise together instead of some hanging in a later collective.
+    result, so all ranks raise together instead of some hanging in a later collective. Without
+    tensor parallelism, slots and labels whose ranges ``TreeMicroBatch.to`` measured on the host
+    (:mod:`megatron_tree.core.host_checks`) are checked without either.
     Returns this rank's index in ``tp_group``.
     """
     num_slots, vocab_local = logits.shape
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    known = [host_checks.recall(t, "value_range") for t in (labels, slots)] if slots.numel() else [(0, -1)] * 2
+    if tp_size == 1 and None not in known:  # ranges measured on the host (TreeMicroBatch.to): no sync
+        (lab_min, lab_max), (slot_min, slot_max) = known
+        _check_ranges(lab_min, lab_max, slot_min, slot_max, vocab_local, tp_size, rows)
+        return tp_rank
     stats = torch.tensor([vocab_local, -vocab_local, num_slots, -num_slots, 0, -1, 0, -1], device=logits.device)  # N = 0 passes
     if slots.numel():
         stats[4:] = torch.stack([-labels.min(), labels.max(), -slots.min(), slots.max()])
@@ -269,6 +277,13 @@ def _check_across_ranks(
             f"ranks of tp_group hold different micro-batches: T from {t_min} to {t_max}. "
             "Every tensor-parallel rank must process the same micro-batch."
         )
+    _check_ranges(lab_min, lab_max, slot_min, slot_max, vocab_local, tp_size, rows)
+    return tp_rank
+
+
+def _check_ranges(lab_min: int, lab_max: int, slot_min: int, slot_max: int, vocab_local: int, tp_size: int,
+                  rows: int) -> None:
+    """Raise unless the labels lie in the vocabulary and the slots in the rows that predict tokens."""
     vocab = vocab_local * tp_size
     if lab_min < 0 or lab_max >= vocab:
         raise ValueError(
@@ -281,7 +296,6 @@ def _check_across_ranks(
             f"slots range over [{slot_min}, {slot_max}] but only rows [0, {rows}) predict tokens. "
             "Slots index the T dimension of logits, before padding."
         )
-    return tp_rank
 
 
 def vocab_parallel_logprobs(

@@ -199,7 +199,7 @@ def test_grouped_kv_backward_runs_per_query_head(monkeypatch, token_major):
 @requires_fa4
 @pytest.mark.parametrize("head_major", [True, False])
 def test_head_pair_kernels_are_exact(head_major):
-    """The per-query-head backward's two Triton kernels: K/V repeated to head pairs (bit copies) and dK / dV pairs
+    """The per-query-head backward's two element-wise steps: K/V repeated to head pairs (bit copies) and dK / dV pairs
     added (fp32 sum rounded once to bf16), on a ragged T and a head dim that is not a power of two."""
     from megatron_tree.attention import fa4_kernels as patch
 
@@ -310,7 +310,8 @@ def test_fa4_model_build_refuses_an_unproven_shape():
 
     from megatron_tree.mcore.core_attention import _model_attention_shape
 
-    config = SimpleNamespace(bf16=True, fp16=False, num_attention_heads=8, num_query_groups=4, kv_channels=256)
+    config = SimpleNamespace(bf16=True, fp16=False, num_attention_heads=8, num_query_groups=4, kv_channels=256,
+                             multi_latent_attention=False)
     assert "proven exact" in fa4_attention.refusal(_model_attention_shape(config), batch=1, dropout_p=0.0)
     config.kv_channels = 96
     assert fa4_attention.refusal(_model_attention_shape(config), batch=1, dropout_p=0.0) is None
@@ -323,7 +324,7 @@ def test_auto_passes_over_unproven_fa4_with_one_warning(recwarn):
 
     _PASSED_OVER.clear()
     PREPARED_MASKS.clear()
-    mask = _tree("grpo", 600)[None]
+    mask = _tree("grpo")[None]
     t = mask.shape[1]
     q, k = (torch.randn(t, 1, h, 256, device="cuda", dtype=torch.bfloat16) for h in (4, 2))
     ref = tree_attention(q.double(), k.double(), k.double(), mask, backend="dense")
