@@ -112,7 +112,8 @@ def summarize(events, wall_s: float, cuda: bool) -> dict:
     per_name: dict[str, list] = {}
     intervals = []
     for e in events:
-        if cuda and e.device_type == DeviceType.CUDA:
+        # record_function ranges show on the GPU timeline too (user annotations): a range, not a kernel
+        if cuda and e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             duration = e.time_range.elapsed_us()
             category = _category(e.name)
             kernels[category] = kernels.get(category, 0.0) + duration / 1e3

@@ -54,3 +54,22 @@ def test_idle_attributed_to_the_host_op_running():
     assert out["outermost"] == {"<none>": 13.0, "step": 1.6}
     assert gaps["under_1ms"] == [1, 0.6] and gaps["1_to_10ms"] == [2, 2.0] and gaps["over_10ms"] == [1, 12.0]
     assert gaps["longest"][:2] == [[12.0, "<none>", "<none>"], [1.0, "optimizer", "step"]]
+
+
+def test_gpu_user_annotations_are_not_kernels():
+    """record_function ranges appear on the GPU timeline as user annotations spanning their kernels and the gaps
+    between them: neither a kernel's time nor busy time."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.step_profile import summarize
+    from torch.autograd import DeviceType
+
+    def gpu(name, start, end, annotation=False):
+        return NS(name=name, device_type=DeviceType.CUDA, is_user_annotation=annotation, cpu_parent=None,
+                  time_range=NS(start=start, end=end, elapsed_us=lambda: end - start))
+
+    events = [gpu("megatron_tree.chunk_forward", 0, 10_000, annotation=True), gpu("nvjet_gemm", 0, 2000),
+              gpu("nvjet_gemm", 6000, 8000)]
+    out = summarize(events, wall_s=0.01, cuda=True)
+    assert out["busy_ms"] == 4.0 and out["kernels_ms"] == {"gemm": 4.0}
+    assert [name for name, _, _ in out["top_kernels"]] == ["nvjet_gemm"]

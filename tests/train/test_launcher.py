@@ -633,3 +633,14 @@ def test_mimo_trains_with_its_config_code_and_without_its_mtp_layers(tmp_path, c
     assert "multi-token prediction layer(s)" in capsys.readouterr().err.strip().splitlines()[-1]
     assert main([*base, "--trust-remote-code", "--skip-mtp-layers", "--log-jsonl", str(tmp_path / "log.jsonl")]) == 0
     assert (tmp_path / "log.jsonl").read_text().count('"loss"') == 1
+
+
+def test_fa4_persistent_kernel_cache_on_unless_the_user_says(monkeypatch):
+    from megatron_tree.train.__main__ import persistent_kernel_cache
+
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    persistent_kernel_cache()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    persistent_kernel_cache()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
