@@ -2,8 +2,12 @@
 
     python benchmarks/plot_e2e.py benchmarks/results/e2e_qwen3-0.6b.json benchmarks/results/e2e_qwen3-moe-2b.json \
         --out benchmarks/results/e2e_h200.png
-    python benchmarks/plot_e2e.py benchmarks/results/te/e2e_chunks_grpo_{8k,16k}.json \
+    python benchmarks/plot_e2e.py benchmarks/results/te/e2e_chunks_grpo_{8k_b,16k}.json \
+        benchmarks/results/te/e2e_chunks_long_multi_turn_{8k,16k,flat}.json \
         --out benchmarks/results/te/e2e_chunks.png   # trees larger than a micro-batch
+
+A tree-only run (``--modes tree``) is paired with a flat-only run of the same model and batch (same workload,
+original and unique tokens, recompute) among the inputs: its speedup is the flat run's median step over its own.
 """
 
 import argparse
@@ -21,7 +25,15 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     results = [json.load(open(path)) for path in args.inputs]
-    rows = [r for res in results for r in res["rows"] if "speedup" in r]  # complete rows only
+    rows = [r for res in results for r in res["rows"]]
+    key = lambda r: (r["model"], r["workload"], r["original_tokens"], r["unique_tokens"], r["recompute"])  # noqa: E731
+    flat_only = {key(r): r["flat"] for r in rows if "flat" in r and "tree" not in r}
+    for r in rows:
+        if "speedup" not in r and "tree" in r and key(r) in flat_only:  # tree-only: the flat run of the same batch
+            r["speedup"] = flat_only[key(r)]["step_s"] / r["tree"]["step_s"]
+            r.setdefault("packed_flop_ideal_speedup", r["flop_ideal_speedup"])
+            r["achieved_fraction_of_ideal"] = r["speedup"] / r["packed_flop_ideal_speedup"]
+    rows = [r for r in rows if "speedup" in r]  # complete rows only
     flat = {"te_thd_cudnn": "Megatron THD packing, TE cuDNN attention", "tree_kernel_chains": "chains, same kernel"}
     baselines = sorted({flat.get(res.get("baseline"), "chains, same kernel") for res in results})
     labels = [f"{r['model']}\n{r['workload']}" + (f"\n{r['max_tokens_per_mb'] // 1024}k chunks" if r.get("chunk_trees") else "")
