@@ -7,7 +7,8 @@
 #   ../shared/gpu/fetch-wheels.sh && ../shared/gpu/fetch-te.sh && cp ../shared/gpu/te-setup.sh .te/   # here, once
 #   bash benchmarks/gpu_rl_passes.sh          # there, with .whl and .te carried
 #
-# fp32 runs turn TF32 off (NVIDIA_TF32_OVERRIDE=0). PPO_STEPS (default 4) sets the PPO run length.
+# fp32 runs turn TF32 off (NVIDIA_TF32_OVERRIDE=0). PPO_STEPS (default 4) sets the PPO run length; PART=ppo runs
+# step 3 alone. The summary gives the whole step's and each model pass's median (records' pass_*_s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,9 +24,13 @@ parity() {  # parity LABEL: fp32 then bf16 (each path against the fp32 per-seque
 }
 python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__, '(no Transformer Engine)')" 2>/dev/null | tee -a "$LOG"
-parity "no TE (local spec, flex attention)" local
+if [ "${PART:-all}" = all ]; then
+  parity "no TE (local spec, flex attention)" local
+fi
 bash .te/te-setup.sh 2>&1 | grep -v -i warn | tail -1 | tee -a "$LOG"
-parity "TE (TE spec, cuDNN THD flat path)" te
+if [ "${PART:-all}" = all ]; then
+  parity "TE (TE spec, cuDNN THD flat path)" te
+fi
 for mode in tree-training no-tree-training; do
   echo "== PPO whole step, Qwen3-0.6B shape, bf16, TE: --$mode" | tee -a "$LOG"
   timeout 420 python3 -m megatron_tree.train --config configs/ppo_qwen3_0.6b_shape.yaml --steps "${PPO_STEPS:-4}" \
@@ -40,4 +45,11 @@ def med(name):
 (tree, last_t), (flat, last_f) = med("tree"), med("no")
 print(f"PPO step median after the first: tree {tree:.2f} s, flat {flat:.2f} s, flat/tree {flat / tree:.2f}"
       f" (tree_token_ratio {last_t.get('tree_token_ratio', float('nan')):.3f})")
+passes = ["old", "reference", "values", "scores", "actor", "critic"]
+def pass_med(name, p):
+    rows = [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"step_s"' in l][1:]
+    return statistics.median(r[f"pass_{p}_s"] for r in rows)
+print("per pass, median after the first (s):  " + "  ".join(
+    f"{p} {pass_med('tree', p):.3f} / {pass_med('no', p):.3f} ({pass_med('no', p) / pass_med('tree', p):.2f}x)"
+    for p in passes) + "  (tree / flat)")
 PY

@@ -24,6 +24,7 @@ one, the actor's checkpoint with a fixed-seed value head (a deterministic stand-
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -99,12 +100,25 @@ def gae(
     return advantages[valid], (advantages + v)[valid]
 
 
+def timed(times: dict[str, float], name: str, device: torch.device, fn: Callable[[], Any]) -> Any:
+    """``fn()``, its wall seconds in ``times[f"pass_{name}_s"]`` (on a GPU, synchronised before and after: the
+    pass's own kernels, none of the one before)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    times[f"pass_{name}_s"] = time.perf_counter() - t0
+    return out
+
+
 @dataclasses.dataclass
 class PPOTargets:
     """What the updates of one mini-batch train towards, computed before its rollout batch's first update; per
     sequence of this rank's share (``mb.sequence_ids`` order), on the model's device: ``old`` log-probs,
     ``old_values``, ``advantages``, ``returns`` (fp32 [L - 1]) and ``masks`` (bool [L - 1]); ``stats``: the
-    mini-batch's ``score_mean`` and ``kl_mean`` (the same on every rank)."""
+    mini-batch's ``score_mean`` and ``kl_mean`` (the same on every rank); ``times``: this rank's seconds per
+    forward-only pass (``pass_old_s``, ``pass_reference_s``, ``pass_values_s``, ``pass_scores_s``)."""
 
     old: list[torch.Tensor]
     old_values: list[torch.Tensor]
@@ -112,6 +126,7 @@ class PPOTargets:
     returns: list[torch.Tensor]
     masks: list[torch.Tensor]
     stats: dict[str, float]
+    times: dict[str, float]
 
 
 def ppo_targets(cfg, actor, models: PPOModels, mbs, loss_masks: list[np.ndarray] | None, *, tree: bool) -> PPOTargets:
@@ -126,10 +141,11 @@ def ppo_targets(cfg, actor, models: PPOModels, mbs, loss_masks: list[np.ndarray]
     t = cfg.train
     forward_only = tree_forward_only if tree else flat_forward_only
     device = next(actor[0].parameters()).device
-    old = forward_only(actor, mbs)
-    ref = forward_only(models.reference, mbs)
-    old_values = forward_only(models.critic, mbs, head="values")
-    scores = forward_only(models.reward, mbs, head="scores")
+    times: dict[str, float] = {}
+    old = timed(times, "old", device, lambda: forward_only(actor, mbs))
+    ref = timed(times, "reference", device, lambda: forward_only(models.reference, mbs))
+    old_values = timed(times, "values", device, lambda: forward_only(models.critic, mbs, head="values"))
+    scores = timed(times, "scores", device, lambda: forward_only(models.reward, mbs, head="scores"))
 
     masks = [torch.ones(lp.numel(), dtype=torch.bool) if loss_masks is None else torch.from_numpy(loss_masks[k][1:])
              for k, lp in enumerate(old)]  # fmt: skip
@@ -150,7 +166,7 @@ def ppo_targets(cfg, actor, models: PPOModels, mbs, loss_masks: list[np.ndarray]
                          device=device)  # fmt: skip
     dist.all_reduce(stats, group=ps.get_data_parallel_group())
     return PPOTargets(old=old, old_values=old_values, advantages=advantages, returns=returns,
-                      masks=[m.to(device) for m in masks],
+                      masks=[m.to(device) for m in masks], times=times,
                       stats=dict(score_mean=float(stats[0] / stats[1].clamp(min=1)),
                                  kl_mean=float(stats[2] / stats[3].clamp(min=1))))
 
@@ -164,7 +180,8 @@ def ppo_update(
     finite, one optimizer step each. ``may_update(problem)``: given
     :func:`~megatron_tree.train.trainer.nonfinite` of both models' losses and gradient norms, whether to run the
     two optimizer steps (it may raise instead). Returns the actor's ``loss``, ``loss_tokens``, ``grad_norm`` (None
-    when ``skipped``) and the PPO metrics (the same on every rank)."""
+    when ``skipped``), the PPO metrics (the same on every rank) and this rank's seconds of the two forward-backward
+    passes (``pass_actor_s``, ``pass_critic_s``)."""
     from megatron_tree.mcore.schedule import flat_forward_backward, tree_forward_backward
     from megatron_tree.train.trainer import loss_and_grad_norm, nonfinite
 
@@ -190,7 +207,7 @@ def ppo_update(
 
     # Both backward passes first (separate models and gradient buffers), so that a non-finite loss or
     # gradient in either is found before any weight changes.
-    checked = {}
+    checked, times = {}, {}
     for name, chunks, optimizer, loss_fn, head in [
         ("actor", actor, actor_optimizer, actor_loss, "logprobs"),
         ("critic", models.critic, models.critic_optimizer, critic_loss, "values"),
@@ -198,7 +215,8 @@ def ppo_update(
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        checked[name] = loss_and_grad_norm(train_step(chunks, mbs, loss_fn, head=head), chunks, device)
+        losses = timed(times, name, device, lambda: train_step(chunks, mbs, loss_fn, head=head))
+        checked[name] = loss_and_grad_norm(losses, chunks, device)
     update = may_update(nonfinite({f"{name} loss": c[0] for name, c in checked.items()},
                                   {f"{name} gradient norm": c[2] for name, c in checked.items()}))
     norms = {name: optimizer.step()[1] if update else None
@@ -211,4 +229,5 @@ def ppo_update(
         critic_loss=checked["critic"][0],
         critic_grad_norm=float(norms["critic"]) if norms["critic"] is not None else None,
         **g.stats,
+        **times,
     )

@@ -653,6 +653,8 @@ class Trainer:
 
             extra = ppo_update(self.cfg, self.model, self.optimizer, self.ppo, mbs, part["targets"],
                                tree=self.tree_model, may_update=self.may_update)
+            if first:  # the forward-only passes ran for this mini-batch's first update
+                extra |= part["targets"].times
             loss, loss_tokens, grad_norm, skipped = (extra.pop(k) for k in ("loss", "loss_tokens", "grad_norm",
                                                                             "skipped"))
         if not skipped:

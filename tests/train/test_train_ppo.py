@@ -46,3 +46,6 @@ def test_ppo_step_tree_equals_flat(tmp_path):
             assert t[key] == pytest.approx(f[key], rel=1e-5), (key, t[key], f[key])
         assert t["kl_mean"] == pytest.approx(f["kl_mean"], abs=1e-6)
     assert tree[1]["kl_mean"] != 0  # the second step's old policy moved away from the reference
+    passes = [f"pass_{name}_s" for name in ("old", "reference", "values", "scores", "actor", "critic")]
+    for record in tree + flat:  # every model pass timed, within the step
+        assert all(record[key] > 0 for key in passes) and sum(record[key] for key in passes) < record["step_s"]
