@@ -6,7 +6,7 @@
         --out benchmarks/results/e2e_qwen3.5-hybrid-2b.json   # Gated DeltaNet : full attention 3:1
     python benchmarks/e2e_bench.py --model qwen3-1.7b --workloads long_multi_turn --max-tokens-per-mb 8192 \
         --chunk-trees --recompute full --flat-max-tokens-per-mb 40960 \
-        --out benchmarks/results/te/e2e_chunks_long_multi_turn.json   # trees larger than a micro-batch
+        --out benchmarks/results/te/e2e_chunks_long_multi_turn_8k.json   # trees larger than a micro-batch
 
 Flat = every sequence its own causal chain, packed several to a micro-batch up to the same
 ``max_tokens_per_mb``. With Transformer Engine that is Megatron's sequence packing: the upstream

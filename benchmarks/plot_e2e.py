@@ -2,9 +2,11 @@
 
     python benchmarks/plot_e2e.py benchmarks/results/e2e_qwen3-0.6b.json benchmarks/results/e2e_qwen3-moe-2b.json \
         --out benchmarks/results/e2e_h200.png
-    python benchmarks/plot_e2e.py benchmarks/results/te/e2e_chunks_grpo_{8k_b,16k}.json \
-        benchmarks/results/te/e2e_chunks_long_multi_turn_{8k,16k,flat}.json \
+    python benchmarks/plot_e2e.py benchmarks/results/te/e2e_chunks_grpo_{8k,16k}.json \
         --out benchmarks/results/te/e2e_chunks.png   # trees larger than a micro-batch
+    python benchmarks/plot_e2e.py benchmarks/results/te/e2e_fewest_chunks_grpo_{8k_b,16k}.json \
+        benchmarks/results/te/e2e_fewest_chunks_long_multi_turn_{8k,16k}.json \
+        benchmarks/results/te/e2e_long_multi_turn_flat_40k.json --out benchmarks/results/te/e2e_fewest_chunks.png
 
 A tree-only run (``--modes tree``) is paired with a flat-only run of the same model and batch (same workload,
 original and unique tokens, recompute) among the inputs: its speedup is the flat run's median step over its own.

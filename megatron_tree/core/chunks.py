@@ -51,25 +51,24 @@ def ancestors_before(forest: TokenForest, a: int) -> np.ndarray:
 
 
 def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
-    """Chunk boundaries ``[0, b_1, ..., G]`` (int64 ``[k + 1]``): the fewest chunks, ``k = ceil(G / capacity)``,
-    each at most ``capacity`` slots.
+    """Chunk boundaries ``[0, b_1, ..., G]`` (int64 ``[k + 1]``), each chunk at most ``capacity`` slots.
 
     A cut ``b`` (chunk ``[a, b)``) is *free* where the chunk exports nothing (no slot of it is an ancestor of
-    ``b``: a new subtree hangs from an earlier chunk there, the next sample of a prompt, the next tree), so no
-    later chunk keeps the chunk waiting: its backward runs right after its forward. Cut ``c`` is the last free one
-    in ``max(a + ceil(capacity / 2), G - (k - c - 1) capacity) .. a + capacity`` (the lower bound: what is left
-    still fits the chunks left); else ``a + capacity`` (inside one long sequence nothing is free).
+    ``b``: a new subtree hangs from an earlier chunk there, the next sample of a prompt), so no later chunk keeps
+    the chunk waiting: its backward runs right after its forward. Each cut is the last free one in
+    ``a + ceil(capacity / 2) .. a + capacity``; else the last free one before (a short chunk that brings the cuts
+    back onto the subtrees); else ``a + capacity`` (inside one long sequence nothing is free).
     """
     g = forest.num_tokens
-    k = max(1, -(-g // capacity))
     bounds = [0]
-    for c in range(k - 1):
+    while g - bounds[-1] > capacity:
         a = bounds[-1]
         above = np.sort(forest.subtree_end[ancestors_before(forest, a)])  # ends of a's ancestors
-        cuts = np.arange(max(a + -(-capacity // 2), g - (k - c - 1) * capacity), a + capacity + 1)
+        cuts = np.arange(a + 1, a + capacity + 1)
         shared = above.shape[0] - np.searchsorted(above, cuts, side="right")  # ancestors of a still open at b
         free = cuts[forest.depth[cuts] == shared]  # none of b's ancestors inside [a, b)
-        bounds.append(int(free[-1]) if free.size else a + capacity)
+        full = free[free >= a + -(-capacity // 2)]
+        bounds.append(int(full[-1]) if full.size else int(free[-1]) if free.size else a + capacity)
     bounds.append(g)
     return np.asarray(bounds, np.int64)
 

@@ -19,15 +19,14 @@ Plan on the global prefix forest, then build each micro-batch's own forest:
 4. Each bin becomes a :class:`TreeMicroBatch` built from its own forest (bins left empty
    become one-slot padding micro-batches that hold no sequence).
 
-With ``chunk_trees`` nothing is split at branch points: every root tree is an item. An item larger than
-``max_tokens_per_mb`` (a tree, or the trees one granule keeps together) of cost ``c`` is ``ceil(c / cap) - 1``
-whole micro-batches and a *tail*; the bins are planned on the tails (the other items' costs), and a bin that
-holds such an item becomes a run of *chunks* (:func:`build_chunks`): the forest of all its items, its DFS slot
-range cut into the fewest contiguous ranges of at most the capacity (``ceil(load / cap)``: the tails of
-several large trees and small trees share the last chunks), each a micro-batch whose queries also attend to
-its context, the ancestors of its first slot computed by earlier chunks. No token is computed twice.
-A bin's chunks are consecutive in the list and count as one micro-batch (one step of Megatron's schedule)
-for ``n_mbs``, ``n_mbs_divisor`` and the data-parallel count.
+With ``chunk_trees`` nothing is split at branch points: every root tree is an item, and an item
+larger than ``max_tokens_per_mb`` (a tree, or the trees one granule keeps together) becomes a run
+of *chunks* (:func:`build_chunks`): its DFS slot range cut into contiguous ranges of half to all of the
+capacity where they export the fewest keys and values to later chunks, each a micro-batch whose queries
+also attend to its context, the ancestors of its first slot computed by earlier chunks. No token is
+computed twice.
+The chunks of a tree follow the bins' micro-batches, consecutively, and count as one micro-batch
+(one step of Megatron's schedule) for ``n_mbs``, ``n_mbs_divisor`` and the data-parallel count.
 """
 
 from __future__ import annotations
@@ -93,20 +92,17 @@ def pack_trees(
         items, costs = plan_items(build_forest(seqs), plan_cap) if seqs else ([], [])
     if spec.granularity > 1:
         items, costs = _merge_granules(items, costs, seqs, spec.granularity, cap, spec.chunk_trees, share_prefixes)
-    # chunk_trees: an item larger than the capacity is `full` whole chunks and a tail; bins hold the tails, and a
-    # bin holding such an item runs all its items as one chunked forest: ceil(load / cap) chunks, the fewest.
-    full = [(c - 1) // cap for c in costs]
-    tails = [c - f * cap for c, f in zip(costs, full)]
-    bins = assign_bins(tails, _bin_count(tails, spec, cap, dp_group), cap, spec.packing_algorithm)
+    big = [i for i, c in enumerate(costs) if c > cap]  # only with chunk_trees
+    small = [i for i, c in enumerate(costs) if c <= cap]
+    k = _bin_count([costs[i] for i in small], spec, cap, dp_group, len(big))
+    bins = assign_bins([costs[i] for i in small], k, cap, spec.packing_algorithm)
     out = []
-    group = 0
     for members in bins:
-        ids = sorted(int(s) for it in members for s in items[it])
-        if any(full[it] for it in members):
-            out.extend(build_chunks(seqs, ids, cap, group, pad_to_multiple_of, pad_token_id, share_prefixes))
-            group += 1
-        else:
-            out.append(build_micro_batch(seqs, ids, pad_to_multiple_of, pad_token_id, share_prefixes))
+        ids = sorted(int(s) for it in members for s in items[small[it]])
+        out.append(build_micro_batch(seqs, ids, pad_to_multiple_of, pad_token_id, share_prefixes))
+    for group, it in enumerate(big):
+        ids = sorted(int(s) for s in items[it])
+        out.extend(build_chunks(seqs, ids, cap, group, pad_to_multiple_of, pad_token_id, share_prefixes))
     return out
 
 
@@ -241,10 +237,11 @@ def _first_fit_decreasing(costs: Sequence[int], capacity: int, n_bins: int | Non
     return bins
 
 
-def _bin_count(costs: list[int], spec: MicroBatchSpec, capacity: int, dp_group) -> int:
-    """Bins (schedule steps) for the items ``costs``: at least FFD's count and ``n_mbs``, a multiple of
-    ``n_mbs_divisor``, the same on every rank of ``dp_group``."""
-    k = max(len(_first_fit_decreasing(costs, capacity)), spec.n_mbs)
+def _bin_count(costs: list[int], spec: MicroBatchSpec, capacity: int, dp_group, chunked: int = 0) -> int:
+    """Bins for the items ``costs``, besides ``chunked`` chunked trees (each one step of the schedule): the
+    step count ``bins + chunked`` is at least ``n_mbs``, a multiple of ``n_mbs_divisor``, the same on every
+    rank of ``dp_group``."""
+    k = max(len(_first_fit_decreasing(costs, capacity)) + chunked, spec.n_mbs)
     k = -(-k // spec.n_mbs_divisor) * spec.n_mbs_divisor
     if dp_group is not None:
         import torch.distributed as dist
@@ -253,7 +250,7 @@ def _bin_count(costs: list[int], spec: MicroBatchSpec, capacity: int, dp_group) 
         t = torch.tensor([k], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
         k = int(t.item())  # a max of multiples of the divisor is one too
-    return k
+    return k - chunked
 
 
 def assign_bins(costs: Sequence[int], k: int, capacity: int, algorithm: str) -> list[list[int]]:

@@ -98,20 +98,27 @@ def test_chunks_cover_every_sequence_and_compute_each_token_once(seqs, cap, n_mb
 @settings(max_examples=60, deadline=None)
 @given(any_batch, st.integers(2, 9))
 def test_context_masks_give_each_query_its_ancestors(seqs, cap):
-    """Per chunk, ``[context | own slots]`` visibility equals its chunked forest's (the forest of every sequence of
-    the run, whole trees) on those slots."""
-    seqs = as_sequences(seqs)
+    """Per chunk, ``[context | own slots]`` visibility equals the whole forest's on those slots."""
+    forest = build_forest(as_sequences(seqs))
+    whole = dense_tree_mask(torch.from_numpy(forest.subtree_end))
     mbs = [mb for mb in pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True)) if mb.chunk]
+    if not mbs:
+        return
+    # The chunked trees are whole root trees of the forest, in DFS order: map each to its forest slots.
+    roots = np.flatnonzero(forest.node_parent == -1)
+    sizes = {}
+    for r in roots.tolist():
+        a = int(forest.node_start[r])
+        sizes[a] = int(forest.subtree_end[a]) - a
     by_group = {}
     for mb in mbs:
         by_group.setdefault(mb.chunk.group, []).append(mb)
     for chunks in by_group.values():
-        forest = build_forest([seqs[i] for i in sorted({s for c in chunks for s in c.sequence_ids})])
-        whole = dense_tree_mask(torch.from_numpy(forest.subtree_end))
+        total = sum(c.num_tokens for c in chunks)
         tokens = torch.cat([c.input_ids[0, : c.num_tokens] for c in chunks])
-        assert torch.equal(torch.from_numpy(forest.tokens), tokens)
-        assert len(chunks) == -(-forest.num_tokens // cap)  # the fewest chunks
-        starts = np.cumsum([0] + [c.num_tokens for c in chunks])
+        base = next(a for a, n in sizes.items() if n == total and torch.equal(
+            torch.from_numpy(forest.tokens[a : a + n]), tokens))
+        starts = base + np.cumsum([0] + [c.num_tokens for c in chunks])
         exported = [[] if c.export_slots is None else (starts[i] + c.export_slots.numpy()).tolist()
                     for i, c in enumerate(chunks)]
         for i, c in enumerate(chunks):
@@ -120,24 +127,10 @@ def test_context_masks_give_each_query_its_ancestors(seqs, cap):
             got = dense_tree_mask(c.context_mask[0, : glob.numel()], torch.arange(len(ctx), glob.numel()))
             assert torch.equal(got, whole[glob[len(ctx) :]][:, glob])
             # nothing outside the context is an ancestor of the chunk's slots
-            before = torch.arange(0, starts[i])
+            before = torch.arange(starts[0], starts[i])
             outside = before[~torch.isin(before, glob)]
             assert not bool(whole[glob[len(ctx) :]][:, outside].any())
             assert torch.equal(c.position_ids[0, : c.num_tokens], torch.from_numpy(forest.depth[starts[i] : starts[i + 1]]))
-
-
-def test_large_trees_share_their_last_chunks():
-    """Trees of 15, 12, 15 and 17 tokens at capacity 8: tails 7, 4, 7 and 1 fit three bins, so 8 chunks in all, the
-    fewest for 59 tokens (each tree chunked alone: 2 + 2 + 2 + 3 = 9); the tree of 17 shares its last chunk."""
-    seqs = [np.arange(n) + 100 * i for i, n in enumerate([15, 12, 15, 17])]
-    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=True))
-    check_chunked(seqs, mbs, MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=True))
-    assert len(mbs) == 8 and steps(mbs) == 3
-    runs = {}
-    for mb in mbs:
-        runs.setdefault(mb.chunk.group, set()).update(mb.sequence_ids)
-    shared = next(run for run in runs.values() if 3 in run)
-    assert len(shared) == 2 and sorted(map(len, runs.values())) == [1, 1, 2]
 
 
 def test_recurrent_states_of_the_docstring_example():
