@@ -1,0 +1,30 @@
+"""benchmarks/chunk_memory.py counts the slots a chunked step keeps alive at once: on batches whose count follows from
+the chunk schedule's rule (a chunk stays until the chunks reading it have run their backwards)."""
+
+import numpy as np
+from dist_utils import REPO_ROOT as REPO
+
+from megatron_tree import MicroBatchSpec, pack_trees
+
+
+def kept(seqs, cap, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from chunk_memory import kept_slots
+
+    chunks = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True))
+    assert all(mb.chunk for mb in chunks)
+    return len(chunks), kept_slots(chunks)
+
+
+def test_a_prompt_keeps_its_chunks_and_one_sample(monkeypatch):
+    """A 32-token prompt and 6 samples of 16 hanging from it, 16 slots a chunk: the prompt's 2 chunks wait for every
+    sample; each sample's chunk goes as soon as its forward is done."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 50, 32).tolist()
+    seqs = [prompt + [100 + i] + rng.integers(0, 50, 15).tolist() for i in range(6)]
+    assert kept(seqs, 16, monkeypatch) == (8, 32 + 16)
+
+
+def test_a_chain_keeps_all_its_chunks(monkeypatch):
+    """One 40-token sequence: every chunk is read by the next, so all 3 stay until the last forward."""
+    assert kept([np.arange(40) + 1], 16, monkeypatch) == (3, 40)
