@@ -39,17 +39,14 @@ done
 python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import json, statistics, sys
 out = sys.argv[1]
-def med(name):
-    rows = [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"step_s"' in l]
-    return statistics.median(r["step_s"] for r in rows[1:]), rows[-1]
-(tree, last_t), (flat, last_f) = med("tree"), med("no")
+records = {name: [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"step_s"' in l] for name in ("tree", "no")}
+def med(name, key="step_s"):  # median after the first step
+    return statistics.median(r[key] for r in records[name][1:])
+tree, flat, last_t = med("tree"), med("no"), records["tree"][-1]
 print(f"PPO step median after the first: tree {tree:.2f} s, flat {flat:.2f} s, flat/tree {flat / tree:.2f}"
       f" (tree_token_ratio {last_t.get('tree_token_ratio', float('nan')):.3f})")
-passes = ["old", "reference", "values", "scores", "actor", "critic"]
-def pass_med(name, p):
-    rows = [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"step_s"' in l][1:]
-    return statistics.median(r[f"pass_{p}_s"] for r in rows)
+passes = {p: (med("tree", f"pass_{p}_s"), med("no", f"pass_{p}_s"))
+          for p in ("old", "reference", "values", "scores", "actor", "critic")}
 print("per pass, median after the first (s):  " + "  ".join(
-    f"{p} {pass_med('tree', p):.3f} / {pass_med('no', p):.3f} ({pass_med('no', p) / pass_med('tree', p):.2f}x)"
-    for p in passes) + "  (tree / flat)")
+    f"{p} {t:.3f} / {f:.3f} ({f / t:.2f}x)" for p, (t, f) in passes.items()) + "  (tree / flat)")
 PY
