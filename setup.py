@@ -24,6 +24,8 @@ setup(
         "test": ["pytest", "hypothesis", "wandb"],
         # The "fa4" tree attention backend (Hopper / Blackwell GPUs): FlashAttention-4's CuTe kernels.
         "fa4": ["flash-attn-4==4.0.0b36"],
+        # The "cudnn_flex" tree attention backend (Hopper / Blackwell GPUs): cuDNN frontend's interval-mask kernels.
+        "cudnn_flex": ["nvidia-cudnn-frontend==1.32.0"],
         "bench": ["matplotlib", "tqdm"],
     },
     entry_points={"console_scripts": ["megatron-tree-train=megatron_tree.train.__main__:main"]},

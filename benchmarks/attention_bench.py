@@ -15,6 +15,10 @@ head dim 128, batch 1. Methods, each timed forward and forward + backward with C
   fa4_tree      ``fa4_tree_attention``: FlashAttention-4's block-sparse CuTe kernels over the same
                 tiles (needs flash-attn-4 and a Hopper/Blackwell GPU; its block tables' build time
                 is reported apart, ``fa4_mask_build_ms``, once per micro-batch for all layers)
+  cudnn_flex_tree  cuDNN frontend's interval-mask flex attention (``megatron_tree.attention.cudnn_flex``, raw:
+                no PROVEN table) over the T slots, each query's root path as intervals (needs
+                nvidia-cudnn-frontend and a Hopper/Blackwell GPU; the intervals + mask plan build time is
+                reported apart, ``cudnn_flex_mask_build_ms``, once per micro-batch for all layers)
   dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
   causal_flash  SDPA flash backend, causal over all T slots (the per-pair reference)
   causal_cudnn  SDPA cuDNN backend, causal over all T slots
@@ -51,6 +55,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.attention import cudnn_flex
+from megatron_tree.attention.cudnn_flex import cudnn_flex_available, cudnn_flex_tree_mask
 from megatron_tree.attention.fa4 import fa4_available, fa4_tree_attention, fa4_tree_mask
 from megatron_tree.attention.flex import classify_blocks, flex_tree_attention, flex_tree_mask, padded_length, tree_block_mask
 from megatron_tree.core.masks import dense_tree_mask
@@ -313,6 +319,20 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
 
         times["causal_fa4"] = time_fwd_bwd(causal_fa4, [q, k, v], g, args)
         print(f"  causal_fa4 {times['causal_fa4']}", flush=True)
+    if cudnn_flex_available():
+        row["cudnn_flex_intervals"] = cudnn_flex_tree_mask(end).intervals.shape[1] // 2 + 1
+
+        def cudnn_prepare():  # the intervals and the mask plan with backward: once per micro-batch for all layers
+            mask = cudnn_flex_tree_mask(end.clone())
+            mask.plan(*(x.transpose(1, 2) for x in (q, k, v)), True)
+
+        cudnn_prepare()  # compiles the plan kernels
+        row["cudnn_flex_mask_build_ms"] = wall_time(cudnn_prepare, 1, args.iters)
+        cudnn_mask = cudnn_flex_tree_mask(end)
+        times["cudnn_flex_tree"] = time_fwd_bwd(
+            lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5), [q, k, v], g, args)
+        print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_intervals']} intervals, mask build "
+              f"{row['cudnn_flex_mask_build_ms']:.2f} ms)", flush=True)
     if not args.skip_dense and not long:
         mask = dense_tree_mask(end)
         times["dense_sdpa"] = time_fwd_bwd(sdpa_gqa(SDPBackend.EFFICIENT_ATTENTION, attn_mask=mask), [q, k, v], g, args)
@@ -329,6 +349,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         times.update(bench_te_thd(mb.seq_lens, args, dev, gen))
     row["times"] = times
     pairs = {"flex_tree": row["tree_pairs"], "dense_sdpa": row["tree_pairs"], "fa4_tree": row["tree_pairs"],
+             "cudnn_flex_tree": row["tree_pairs"],
              "causal_flash": row["causal_pairs"], "causal_cudnn": row["causal_pairs"], "causal_fa4": row["causal_pairs"]}
     pairs.update({m: row["flat_pairs"] for m in times if m.startswith("flat")})
     ref = row["causal_pairs"] / times["causal_flash"]["fwd_bwd_ms"]
@@ -424,7 +445,8 @@ def bench_variants(seqs, names, args, dev, gen) -> list[dict]:
 
 
 def accuracy(dev, gen) -> dict:
-    """Relative errors vs float64 dense SDPA: flex fp32, flex bf16 and dense SDPA bf16 (out, dq, dk, dv)."""
+    """Relative errors vs float64 dense SDPA: flex fp32, flex bf16 and dense SDPA bf16 (out, dq, dk, dv); FA4 and
+    cuDNN flex bf16 where they run."""
     rng = np.random.default_rng(1)
     seqs = grpo_batch(rng, n_prompts=3, samples=(4, 8), prompt_len=(200, 800), response_len=(50, 400), vocab=150000)
     mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4000))[0]
@@ -458,6 +480,10 @@ def accuracy(dev, gen) -> dict:
     if fa4_available():
         prepared = fa4_tree_mask(end)
         result["fa4_bf16"] = err(run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), torch.bfloat16))
+    if cudnn_flex_available():
+        cudnn_mask = cudnn_flex_tree_mask(end)
+        result["cudnn_flex_bf16"] = err(run(lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5),
+                                            torch.bfloat16))
     return result
 
 
@@ -469,7 +495,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["workloads"]
-    methods = ["fa4_tree", "flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen",
+    methods = ["fa4_tree", "cudnn_flex_tree", "flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen",
                "flat_flex_doc", "flat_te_thd"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / len(methods)

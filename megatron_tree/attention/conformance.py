@@ -11,8 +11,8 @@ Two ways to call a backend, both recorded:
 * ``routed``: as training calls it (:func:`megatron_tree.attention.tree_attention` with the backend
   named): runs where the backend's ``PROVEN`` table fits the call, else refused. A routed call
   that runs must pass; a refusal is the backend declining a shape it is not proven on.
-* ``raw``: the kernel itself on the exact shape, no table, no padding (FA4's and FlexAttention's
-  kernels): the evidence that proves a shape (add it to the backend's ``PROVEN``) or shows why it
+* ``raw``: the kernel itself on the exact shape, no table, no padding (FA4's, FlexAttention's and cuDNN
+  frontend's flex kernels): the evidence that proves a shape (add it to the backend's ``PROVEN``) or shows why it
   is not trusted.
 
 ``python -m megatron_tree.attention.conformance --out results.json`` runs the grid on this machine's
@@ -137,6 +137,10 @@ def _megatron_layout(fn: Callable) -> Callable:
     return attend
 
 
+_RAW_KERNELS = ("flex", "fa4", "cudnn_flex")
+"""The backends whose kernels ``raw`` mode runs without their tables."""
+
+
 def _raw(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: float,
          window: int | None = None) -> Callable | None:
     """The backend's kernel on the exact shape (no ``PROVEN`` table, no padding); None for backends without one."""
@@ -153,6 +157,13 @@ def _raw(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: flo
 
         mask = fa4_tree_mask(end, slots)
         return lambda q, k, v: _flash(q, k, v, mask, scale)
+    if backend == "cudnn_flex":
+        from megatron_tree.attention.cudnn_flex import _flex, cudnn_flex_tree_mask
+
+        if window is not None:
+            raise ValueError("the cudnn_flex backend has no sliding-window mask")
+        mask = cudnn_flex_tree_mask(end, slots)
+        return lambda q, k, v: _flex(q, k, v, mask, scale)
     return None
 
 
@@ -241,7 +252,7 @@ def run_conformance(
                     for mode in modes:
                         fn = _routed(backend, end, slots, scale, window) if mode == "routed" else None
                         if mode == "raw":
-                            if backend not in ("flex", "fa4") or (backend == "flex" and not device.type == "cuda"):
+                            if backend not in _RAW_KERNELS or (backend == "flex" and not device.type == "cuda"):
                                 continue
                             try:
                                 fn = _raw(backend, end, slots, scale, window)
@@ -307,12 +318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     have_transformer_engine()  # TE loads the system cuDNN: import it before SDPA's cuDNN runs
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    try:
-        import importlib.metadata
+    import importlib.metadata
 
-        meta["flash-attn-4"] = importlib.metadata.version("flash-attn-4")
-    except Exception:
-        meta["flash-attn-4"] = None
+    for package in ("flash-attn-4", "nvidia-cudnn-frontend"):
+        try:
+            meta[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            meta[package] = None
     done: list[Row] = []
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "k": K, "rows": []}, f)

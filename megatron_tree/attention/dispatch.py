@@ -26,6 +26,9 @@ backend, registered here by name (:func:`register_tree_attention_backend` adds m
   every query's window skipped) where a GPU proved it (none yet).
 * ``"fa4"`` (:mod:`megatron_tree.attention.fa4`): FlashAttention-4's block-sparse CuTe kernels;
   Hopper with ``flash-attn-4``, bf16, b = 1, no attention dropout, no sliding window.
+* ``"cudnn_flex"`` (:mod:`megatron_tree.attention.cudnn_flex`): cuDNN frontend's interval-mask ("flex")
+  CuTe kernels, the tree as each query's root-path intervals; Hopper / Blackwell with ``nvidia-cudnn-frontend``,
+  bf16 / fp16, b = 1, no attention dropout, no sliding window.
 * ``"auto"`` (the default) picks per call the fastest backend proven exact on it: ``"fa4"``; for a
   micro-batch without a branch (a forest of chains) where FA4 does not run, Transformer Engine's
   cuDNN varlen attention (:mod:`megatron_tree.attention.te_chains`); ``"flex"``; else ``"dense"``.
@@ -54,6 +57,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_tree.attention import cudnn_flex as cudnn_flex_attention
 from megatron_tree.attention import dense as dense_attention
 from megatron_tree.attention import fa4 as fa4_attention
 from megatron_tree.attention import flex as flex_attention
@@ -131,7 +135,7 @@ def get_tree_attention_backend(name: str) -> TreeAttentionBackend:
 
 
 for _name, _module, _windowed in (("dense", dense_attention, True), ("flex", flex_attention, True),
-                                  ("fa4", fa4_attention, False)):
+                                  ("fa4", fa4_attention, False), ("cudnn_flex", cudnn_flex_attention, False)):
     register_tree_attention_backend(
         TreeAttentionBackend(name=_name, prepare=_module.prepare, attend=_module.attend, refusal=_module.refusal,
                              windowed=_windowed)

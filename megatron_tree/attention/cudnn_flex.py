@@ -1,0 +1,254 @@
+"""Tree attention through cuDNN frontend's interval-mask ("flex") attention kernels (Hopper, Blackwell).
+
+Shape legend: b = batch (1), h = query heads, hkv = key/value heads (h % hkv == 0), T = slots (keys),
+Tq = query rows (T, a context-parallel rank's share, or a chunk's queries behind its context), d / dv = q-k / v
+head dims, M = intervals per query row.
+
+Mask: key j is visible to query i iff ``j <= i < subtree_end[j]`` (:mod:`megatron_tree.core.masks`). In DFS
+order the keys a query sees are its root path, a union of runs of consecutive slots: a run breaks where the
+path enters a child that does not follow its parent directly (a later sibling). cuDNN frontend's
+``cudnn.flex_attention`` takes exactly that, per query row: ``mask_func`` int32 ``[1, 2M - 1, Tq]``, the
+endpoints of M sorted half-open intervals ``[0, F0) U [F1, F2) U ...``. :func:`tree_intervals` builds it
+from ``subtree_end`` on the device, vectorised (one pass per interval level, not per token); a GRPO prompt
+and its samples need M = 2, a deep multi-turn tree one interval per branch taken off the first-child path.
+
+The kernels are the ``nvidia-cudnn-frontend`` package's (pinned to :data:`CUDNN_FRONTEND_VERSION`; they are
+CuTe DSL kernels, like FlashAttention-4's, with a persistent compile cache): a *mask plan* classifies the
+(query, key) tiles once per micro-batch and attention shape (``create_mask_plan``; one host sync), full tiles
+skip the mask, partial tiles evaluate the intervals per element, empty tiles are never loaded; forward and
+backward read the same plan. Plans are built on first use per (head counts, head dims, dtype, backward) and
+kept in the :class:`CudnnFlexTreeMask`, so the layers of a model share one.
+
+bf16 / fp16 only (the kernels have no fp32 path). Trusted only where a GPU test compared its gradients
+(:data:`PROVEN`); every other call is refused and ``auto`` sends it to a backend proven there. No sliding
+window, no attention dropout.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_tree.attention.flex import _check_qkv, _check_subtree_end
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, device_generation
+from megatron_tree.core.masks import tree_depths, tree_parents
+
+__all__ = [
+    "CUDNN_FRONTEND_VERSION",
+    "CudnnFlexTreeMask",
+    "PROVEN",
+    "attend",
+    "cudnn_flex_available",
+    "cudnn_flex_tree_attention",
+    "cudnn_flex_tree_mask",
+    "cudnn_flex_unavailable_reason",
+    "intervals_to_mask",
+    "prepare",
+    "refusal",
+    "tree_intervals",
+]
+
+CUDNN_FRONTEND_VERSION = "1.32.0"
+"""The ``nvidia-cudnn-frontend`` release this module is written and tested against."""
+
+PROVEN = ProvenShapes.none("no GPU conformance run has compared cuDNN frontend's flex attention yet")
+"""Where the kernels of :data:`CUDNN_FRONTEND_VERSION` were proven exact (forward and backward against the dense
+fp64 reference, :mod:`megatron_tree.attention.conformance`)."""
+
+
+def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys each query row sees, as sorted half-open slot intervals: int32 ``[1, 2M - 1, Tq]``.
+
+    ``subtree_end`` int [T] or [1, T] (``j < subtree_end[j] <= T``, not re-checked); ``query_slots`` int [Tq] (the
+    slot of each query row) or None (row i is slot i). Row r's intervals are ``[0, F[0, 0, r])`` and
+    ``[F[0, 2u - 1, r], F[0, 2u, r])`` for u = 1 .. M - 1: its root path, outermost first; rows with fewer than M
+    runs lead with empty intervals ``[0, 0)``.
+
+    A *run start* is a slot whose parent is not the slot before it (a root, or a child after a sibling's
+    subtree); the runs of a query's path begin at its run-start ancestors-or-self, and a run ends one past the
+    parent of the next run's start. Two host syncs (M; whether a root run needs a leading empty interval).
+    """
+    end = _check_subtree_end(subtree_end).long()
+    t = end.shape[0]
+    slot = torch.arange(t, device=end.device)
+    parent = tree_parents(end)
+    starts = parent != slot - 1
+    starts[0] = True
+    # runs[i]: run starts among i's ancestors-or-self (j <= i < end[j]); +1 at j, -1 at end[j], prefix sum.
+    delta = torch.zeros(t + 1, dtype=torch.long, device=end.device)
+    delta.index_add_(0, slot[starts], torch.ones_like(slot[starts]))
+    delta.index_add_(0, end[starts], -torch.ones_like(slot[starts]))
+    runs = delta.cumsum(0)[:t]
+    run_start = torch.where(starts, slot, -1).cummax(0).values  # the run holding each slot begins here
+    root = torch.where(tree_depths(end) == 0, slot, -1).cummax(0).values
+    rows = slot if query_slots is None else query_slots.reshape(-1).long()
+    runs, tq = runs[rows], rows.shape[0]
+    most, lead = (int(x) for x in torch.stack([runs.max(), ((runs == runs.max()) & (root[rows] > 0)).any()]).tolist())
+    m = most + lead  # interval 0 begins at 0: a row of M runs whose root is not slot 0 needs an empty one first
+    begin = torch.zeros(m, tq, dtype=torch.long, device=end.device)
+    finish = torch.zeros_like(begin)
+    cur_start, cur_end = run_start[rows], rows + 1
+    for level in range(most):  # innermost run first, placed last
+        live = runs > level
+        col = m - 1 - level
+        begin[col] = torch.where(live, cur_start, 0)
+        finish[col] = torch.where(live, cur_end, 0)
+        up = parent[cur_start].clamp_min(0)
+        cur_end, cur_start = up + 1, run_start[up]
+    endpoints = torch.empty(2 * m - 1, tq, dtype=torch.int32, device=end.device)
+    endpoints[0] = finish[0]
+    endpoints[1::2] = begin[1:]
+    endpoints[2::2] = finish[1:]
+    return endpoints[None]
+
+
+def intervals_to_mask(intervals: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The dense mask ``[Tq, T]`` bool (True = attend) of :func:`tree_intervals`' ``[1, 2M - 1, Tq]`` endpoints."""
+    f = intervals[0].long()
+    begin = torch.cat([torch.zeros_like(f[:1]), f[1::2]])  # [M, Tq]
+    finish = f[0::2]
+    key = torch.arange(num_slots, device=f.device)
+    return ((key[None, None] >= begin[..., None]) & (key[None, None] < finish[..., None])).any(0)
+
+
+@functools.cache
+def _import_error() -> str | None:
+    """None when ``cudnn.flex_attention`` of :data:`CUDNN_FRONTEND_VERSION` imports, else why not."""
+    try:
+        version = importlib.metadata.version("nvidia-cudnn-frontend")
+    except importlib.metadata.PackageNotFoundError:
+        return f"nvidia-cudnn-frontend is not installed (pip install nvidia-cudnn-frontend=={CUDNN_FRONTEND_VERSION})"
+    if version != CUDNN_FRONTEND_VERSION:
+        return (f"nvidia-cudnn-frontend {version} is installed; this backend is written for {CUDNN_FRONTEND_VERSION} "
+                f"(pip install nvidia-cudnn-frontend=={CUDNN_FRONTEND_VERSION})")
+    try:
+        import cudnn.flex_attention  # noqa: F401
+    except Exception as exc:  # no CuTe DSL, a broken CUDA install
+        return f"cudnn.flex_attention does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def cudnn_flex_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the cudnn_flex backend cannot run on ``device`` (default: the current CUDA device), None if it can."""
+    device = None if device is None else torch.device(device)
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("it needs a CUDA GPU (Hopper sm90 or Blackwell sm100)")
+    elif device is not None and device.type != "cuda":
+        problems.append(f"the tensors are on {device}, not on a CUDA GPU")
+    else:
+        generation = device_generation("cuda" if device is None else device)
+        if generation not in ("sm90", "sm100"):
+            problems.append(f"its kernels run on Hopper (sm90) and Blackwell (sm100); this GPU is {generation}")
+    missing = _import_error()
+    if missing is not None:
+        problems.append(missing)
+    return "the cudnn_flex tree attention backend cannot run: " + "; ".join(problems) if problems else None
+
+
+def cudnn_flex_available(device: torch.device | None = None) -> bool:
+    """True when :func:`cudnn_flex_tree_attention` runs on ``device``."""
+    return cudnn_flex_unavailable_reason(device) is None
+
+
+@dataclass
+class CudnnFlexTreeMask:
+    """One micro-batch's tree mask for the cuDNN flex kernels (built once, shared by all layers).
+
+    ``intervals``: :func:`tree_intervals`' int32 ``[1, 2M - 1, Tq]``; ``num_slots`` T, ``num_queries`` Tq;
+    ``plans``: the cuDNN mask plans built so far, by (h, hkv, d, dv, dtype, with backward).
+    """
+
+    intervals: torch.Tensor
+    num_slots: int
+    num_queries: int
+    plans: dict = field(default_factory=dict)
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool):
+        """The mask plan for q ``[1, Tq, h, d]``, k ``[1, T, hkv, d]``, v ``[1, T, hkv, dv]`` (BSHD); one with backward
+        payloads serves forward-only calls too."""
+        from cudnn.flex_attention import create_mask_plan
+
+        shape = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.dtype)
+        found = self.plans.get((*shape, True)) or (None if backward else self.plans.get((*shape, False)))
+        if found is None:
+            found = self.plans[(*shape, backward)] = create_mask_plan(self.intervals, q, k, v, build_backward=backward)
+        return found
+
+
+def cudnn_flex_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> CudnnFlexTreeMask:
+    """The cuDNN flex mask of a tree micro-batch: ``subtree_end`` int [T] or [1, T], ``query_slots`` int [Tq] or None."""
+    end = _check_subtree_end(subtree_end)
+    intervals = tree_intervals(end, query_slots)
+    return CudnnFlexTreeMask(intervals, end.shape[0], intervals.shape[-1])
+
+
+def _flex(query, key, value, mask: CudnnFlexTreeMask, softmax_scale: float) -> torch.Tensor:
+    """The kernels as they are (the conformance harness measures them raw): query [1, h, Tq, d], key [1, hkv, T, d],
+    value [1, hkv, T, dv] -> [1, h, Tq, dv]."""
+    from cudnn.flex_attention import flex_attn_func
+
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BSHD views, last dim contiguous
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    plan = mask.plan(q, k, v, backward)
+    return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=softmax_scale).transpose(1, 2)
+
+
+def cudnn_flex_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: CudnnFlexTreeMask,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Tree attention by cuDNN frontend's flex kernels, on the shapes they are proven on. Differentiable.
+
+    query [1, h, Tq, d], key [1, hkv, T, d], value [1, hkv, T, dv] (bf16, CUDA), ``mask`` from
+    :func:`cudnn_flex_tree_mask`; ``softmax_scale`` None = ``1 / sqrt(d)``. Returns [1, h, Tq, dv]. A call
+    :data:`PROVEN` does not hold is refused (``ValueError``, with what to use).
+    """
+    _check_qkv(query, key, value, mask.num_slots, mask.num_queries)
+    reason = refusal(AttentionShape.of(query, key, value), batch=query.shape[0], dropout_p=0.0)
+    if reason is not None:
+        raise ValueError(f"{reason}. Use backend='auto' (it sends such calls to a backend proven there) or 'dense'")
+    if mask.intervals.device != query.device:
+        raise ValueError(f"the cudnn_flex tree mask is on {mask.intervals.device} but query is on {query.device}")
+    return _flex(query, key, value, mask, query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+
+
+def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | None:
+    """Backend ``refusal``: why the cudnn_flex backend does not compute a call of ``shape`` exactly, None when it does."""
+    if shape.windowed:
+        return "the cudnn_flex backend has no sliding-window mask (the window is not written into its intervals)"
+    if dropout_p:
+        return f"the cudnn_flex backend has no attention dropout (attention_dropout={dropout_p})"
+    if shape.dtype not in (torch.bfloat16, torch.float16):
+        return f"cuDNN frontend's flex kernels run bf16/fp16, not {shape.dtype}"
+    if batch != 1:
+        return f"the cudnn_flex backend takes one micro-batch (b = 1), got b = {batch}"
+    unavailable = cudnn_flex_unavailable_reason(None if shape.device.startswith("sm") else torch.device(shape.device))
+    if unavailable is not None:
+        return unavailable
+    if not PROVEN.proves(shape):
+        return (f"cuDNN frontend {CUDNN_FRONTEND_VERSION}'s flex attention is proven exact (forward and backward against "
+                f"the dense reference) {PROVEN.describe()}; this call is {shape}")
+    return None
+
+
+def prepare(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> CudnnFlexTreeMask:
+    """Backend ``prepare``: :func:`cudnn_flex_tree_mask` (b = 1)."""
+    if subtree_end.dim() != 2 or subtree_end.shape[0] != 1:
+        raise ValueError(f"the cudnn_flex tree attention backend takes one micro-batch mask [1, T], got shape "
+                         f"{tuple(subtree_end.shape)}")
+    return cudnn_flex_tree_mask(subtree_end, query_slots)
+
+
+def attend(query, key, value, prepared, *, scale, dropout_p):
+    """Backend ``attend``: query ``[1, np, Tq, hn]``, key ``[1, ng, T, hn]``, value ``[1, ng, T, dv]`` -> ``[1, np, Tq, dv]``."""
+    if dropout_p:
+        raise ValueError(f"the cudnn_flex backend has no attention dropout (attention_dropout={dropout_p}); use 'dense'")
+    return cudnn_flex_tree_attention(query, key, value, prepared, softmax_scale=scale)

@@ -1,0 +1,181 @@
+"""The cudnn_flex tree attention backend: the interval encoding of the tree mask (any machine) and, on a
+Hopper / Blackwell GPU with nvidia-cudnn-frontend, the kernels against the dense reference.
+
+The encoding is checked exactly: the intervals' dense mask equals :func:`dense_tree_mask` on random forests
+(chains, bushes, several trees, padding slots), with and without context-parallel query slots, and every row's
+endpoints are what the kernel accepts (in ``[0, T]``, nondecreasing). The GPU tests judge the kernels as a
+dense bf16 kernel is judged (within twice SDPA's own bf16 error of the fp32 reference on the same inputs).
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from forests import random_subtree_end
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.attention import tree_attention
+from megatron_tree.attention.cudnn_flex import (
+    _flex,
+    cudnn_flex_available,
+    cudnn_flex_tree_mask,
+    cudnn_flex_unavailable_reason,
+    intervals_to_mask,
+    tree_intervals,
+)
+from megatron_tree.core.masks import dense_tree_mask
+from megatron_tree.core.platform import have_transformer_engine
+from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
+
+have_transformer_engine()  # TE loads the system cuDNN: before SDPA's cuDNN backend
+
+
+def _check_encoding(end: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    intervals = tree_intervals(end, slots)
+    t = end.shape[-1]
+    assert intervals.dtype == torch.int32 and intervals.dim() == 3 and intervals.shape[0] == 1
+    assert intervals.shape[1] % 2 == 1 and intervals.shape[2] == (t if slots is None else slots.numel())
+    f = intervals[0].long()
+    assert (f >= 0).all() and (f <= t).all(), "endpoints outside [0, T]"
+    assert (f[1:] >= f[:-1]).all(), "endpoints not nondecreasing along a row"
+    assert torch.equal(intervals_to_mask(intervals, t), dense_tree_mask(end, slots))
+    return intervals
+
+
+@pytest.mark.parametrize("p_extend", [0.3, 0.85, 0.99])
+def test_intervals_are_the_tree_mask_on_random_forests(p_extend):
+    for seed in range(25):
+        rng = random.Random(seed)
+        end = random_subtree_end(rng, rng.randint(1, 250), rng.randint(0, 4), p_extend)
+        t = end.shape[0]
+        _check_encoding(end, None)
+        slots = torch.randperm(t, generator=torch.Generator().manual_seed(seed))[: max(1, t // 3)]
+        _check_encoding(end, slots)
+
+
+def test_interval_counts_follow_branches_off_the_first_child_path():
+    """A prompt (slots 0-2) with three samples: the first sample continues the prompt's run (one interval), each
+    later sample adds one. A second tree (root 9, children 10 and 11) whose row 11 has the most runs but does not
+    start at slot 0 needs an empty leading interval [0, 0)."""
+    #                    prompt     s1    s2    s3    tree 2
+    end = torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9, 12, 11, 12], dtype=torch.int32)
+    f = _check_encoding(end, None)[0]
+    assert f.shape[0] == 5  # two runs at most, plus the leading empty interval
+    assert f[:, 4].tolist() == [0, 0, 0, 0, 5]  # slot 4 (s1): [0, 5)
+    assert f[:, 6].tolist() == [0, 0, 3, 5, 7]  # slot 6 (s2): [0, 3) U [5, 7)
+    assert f[:, 10].tolist() == [0, 0, 0, 9, 11]  # slot 10: [9, 11)
+    assert f[:, 11].tolist() == [0, 9, 10, 11, 12]  # slot 11: [9, 10) U [11, 12)
+    assert _check_encoding(end[:9], None).shape[1] == 3  # tree 1 alone: no leading interval
+
+
+def test_encoding_of_packed_micro_batches():
+    """Real micro-batches of the packer (GRPO, deep multi-turn trees, padding), with chunk-context query slots."""
+    rng = np.random.default_rng(3)
+    batches = [grpo_batch(rng, n_prompts=3, samples=(2, 6), prompt_len=(20, 80), response_len=(1, 40), vocab=50),
+               multi_turn_batch(rng, n_conversations=3, turns=(3, 8), turn_len=(2, 20), fork_prob=0.4,
+                                system_len=10, vocab=50)]
+    for seqs in batches:
+        for mb in pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=512), pad_to_multiple_of=64):
+            end = mb.attention_mask[0]
+            _check_encoding(end, None)
+            _check_encoding(end, torch.arange(end.shape[0] // 2, end.shape[0]))  # a chunk's queries behind context
+
+
+def test_a_wrong_encoding_is_seen():
+    """The comparison can fail: dropping a row's outer run leaves its prompt invisible."""
+    end = torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9], dtype=torch.int32)
+    intervals = tree_intervals(end).clone()
+    intervals[0, 0, 6] = 0  # slot 6 loses [0, 3)
+    assert not torch.equal(intervals_to_mask(intervals, 9), dense_tree_mask(end))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_refused_without_a_gpu_with_the_reason():
+    assert "needs a CUDA GPU" in cudnn_flex_unavailable_reason()
+    q = torch.randn(5, 1, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(5, 1, 2, 64, dtype=torch.bfloat16)
+    end = torch.full((1, 5), 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cudnn_flex.*needs a CUDA GPU.*backend='auto'"):
+        tree_attention(q, k, v, end, backend="cudnn_flex")
+    with pytest.raises(ValueError, match="run bf16/fp16, not torch.float32"):
+        tree_attention(q.float(), k.float(), v.float(), end, backend="cudnn_flex")
+    assert tree_attention(q, k, v, end, backend="auto").shape == (5, 1, 4 * 64)
+
+
+_cudnn_here = pytest.mark.skipif(
+    not torch.cuda.is_available() or not cudnn_flex_available(),
+    reason="needs a Hopper/Blackwell GPU and nvidia-cudnn-frontend (with the CuTe DSL)",
+)
+
+
+def requires_cudnn_flex(test):
+    """A GPU test (marker ``gpu``) that also needs the cuDNN flex kernels to run here."""
+    return pytest.mark.gpu(_cudnn_here(test))
+
+
+def _tree(kind: str, max_tokens: int = 3000) -> torch.Tensor:
+    rng = np.random.default_rng(7)
+    if kind == "grpo":
+        seqs = grpo_batch(rng, n_prompts=2, samples=(4, 8), prompt_len=(300, 900), response_len=(20, 400), vocab=1000)
+    else:
+        seqs = multi_turn_batch(rng, n_conversations=3, turns=(4, 10), turn_len=(5, 120), fork_prob=0.4,
+                                system_len=200, vocab=1000)
+    return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))[0].attention_mask[0].cuda()
+
+
+def _run(fn, base, dtype):
+    q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in base[:3])
+    out = fn(q, k, v)
+    out.backward(base[3].to(dtype))
+    return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+
+def _rel(xs, refs):
+    return [((x - r).norm() / r.norm()).item() for x, r in zip(xs, refs)]
+
+
+def _inputs(t, tq, heads, kv_heads, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((1, heads, tq, d), (1, kv_heads, t, d), (1, kv_heads, t, d), (1, heads, tq, d))
+    return [torch.randn(s, device="cuda", generator=g).bfloat16().float() for s in shapes]
+
+
+def _dense(mask, scale):
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+
+
+@requires_cudnn_flex
+@pytest.mark.parametrize("kind", ["grpo", "multi_turn"])
+@pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (8, 8, 64)])
+@pytest.mark.parametrize("query_slots", [False, True])
+def test_cudnn_flex_matches_dense_reference(kind, heads, kv_heads, d, query_slots):
+    end = _tree(kind)
+    t = end.shape[0]
+    slots = None
+    if query_slots:
+        slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))[: t // 2]
+    tq = t if slots is None else slots.numel()
+    base = _inputs(t, tq, heads, kv_heads, d)
+    scale = d ** -0.5
+    mask = dense_tree_mask(end, slots)
+    ref = _run(_dense(mask, scale), base, torch.float32)
+    dense_bf16 = _rel(_run(_dense(mask, scale), base, torch.bfloat16), ref)
+    prepared = cudnn_flex_tree_mask(end, slots)
+    got = _rel(_run(lambda q, k, v: _flex(q, k, v, prepared, scale), base, torch.bfloat16), ref)
+    for name, e, e_dense in zip(("out", "dq", "dk", "dv"), got, dense_bf16):
+        assert e <= 2 * e_dense + 1e-4, f"{name}: cuDNN flex rel err {e:.2e} vs dense bf16 {e_dense:.2e}"
+
+
+@requires_cudnn_flex
+def test_cudnn_flex_wrong_mask_is_caught():
+    """The comparison can fail: the tree kernel against the reference of a causal mask is far off."""
+    end = _tree("grpo")
+    t = end.shape[0]
+    base = _inputs(t, t, 16, 8, 128, seed=2)
+    causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+    ref = _run(_dense(causal, 128 ** -0.5), base, torch.float32)
+    prepared = cudnn_flex_tree_mask(end)
+    got = _rel(_run(lambda q, k, v: _flex(q, k, v, prepared, 128 ** -0.5), base, torch.bfloat16), ref)
+    assert got[0] > 0.05
