@@ -3,7 +3,9 @@
 - On a GPU host the suite runs in two passes (``two_pass``): the CPU suite with CUDA and Transformer
   Engine hidden, as on CI, then the ``gpu`` tests in a second pytest with CUDA visible; one command, one exit code.
 - ``gpu`` tests are skipped, with the reason, where CUDA is not available.
-- tests that start processes (``dist_utils.run_torchrun``) must carry ``multiprocess`` (checked).
+- tests that start processes (``dist_utils.run_torchrun``) must carry ``multiprocess`` (checked); their jobs run
+  in forks of one server process that imported megatron-core once (``tests/fork_server.py``), started when the
+  selection holds a ``multiprocess`` or ``slow`` test.
 - ``broken_attention_backends``: backends wrong on purpose, for tests that must be able to fail.
 - ``cpu_dist``: one gloo process with megatron-core's parallel state alone.
 - ``cpu_megatron``: one gloo process with megatron-core's parallel state (TP = PP = 1), the
@@ -30,6 +32,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the fork server of the multi-process and subprocess jobs (``dist_utils``) now, so its imports run
+    beside the first tests, when the selection holds such a job (they are all ``multiprocess`` or ``slow``)."""
+    if not session.config.option.collectonly and any(
+        item.get_closest_marker("multiprocess") or item.get_closest_marker("slow") for item in session.items
+    ):
+        dist_utils.FORK_SERVER.start()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -3,11 +3,9 @@ parses, every script and link they name exists, every public name and launcher f
 
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
-from dist_utils import REPO_ROOT, cpu_env
+from dist_utils import REPO_ROOT, run_python
 
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
@@ -31,8 +29,7 @@ def _commands():
 @pytest.mark.slow
 @pytest.mark.parametrize("code", list(_blocks("python")))
 def test_python_blocks_run(code, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cpu_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = run_python(None, code=code, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

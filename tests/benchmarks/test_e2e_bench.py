@@ -2,22 +2,20 @@
 GPU host) and writes every field the GPU runs report, so a GPU run does not fail on the harness itself."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 from dist_utils import REPO_ROOT as REPO
-from dist_utils import cpu_env
+from dist_utils import run_python
 
 pytestmark = pytest.mark.slow
 
 
 def test_e2e_bench_cpu_smoke(tmp_path):
     out = tmp_path / "e2e.json"
-    cmd = [sys.executable, "benchmarks/e2e_bench.py", "--model", "tiny", "--scale", "0.02", "--max-tokens-per-mb", "256",
-           "--workloads", "grpo,no_sharing", "--warmup", "0", "--steps", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=cpu_env())
+    proc = run_python("benchmarks/e2e_bench.py", ["--model", "tiny", "--scale", "0.02", "--max-tokens-per-mb", "256",
+                                                  "--workloads", "grpo,no_sharing", "--warmup", "0", "--steps", "1",
+                                                  "--out", out])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["device"] == "cpu"
@@ -42,10 +40,10 @@ def test_e2e_bench_chunked_trees_compute_each_token_once(tmp_path):
     tokens and (query, key) pairs, so the packed ideal is the global one. ``--host-profile`` writes each mode's
     cProfile'd step (the chunk schedule among the tree step's functions)."""
     out = tmp_path / "e2e.json"
-    cmd = [sys.executable, "benchmarks/e2e_bench.py", "--model", "tiny", "--scale", "0.02", "--max-tokens-per-mb", "48",
-           "--chunk-trees", "--flat-max-tokens-per-mb", "256", "--workloads", "grpo", "--warmup", "0", "--steps", "1",
-           "--no-profile", "--host-profile", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=cpu_env())
+    proc = run_python("benchmarks/e2e_bench.py", ["--model", "tiny", "--scale", "0.02", "--max-tokens-per-mb", "48",
+                                                  "--chunk-trees", "--flat-max-tokens-per-mb", "256", "--workloads",
+                                                  "grpo", "--warmup", "0", "--steps", "1", "--no-profile",
+                                                  "--host-profile", "--out", out])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "chunk_schedule.py" in (tmp_path / "e2e.host_grpo_tree.txt").read_text()
     assert "ordered by: cumulative time" in (tmp_path / "e2e.host_grpo_flat.txt").read_text().lower()
@@ -59,10 +57,9 @@ def test_e2e_bench_hybrid_gdn_model_cpu_smoke(tmp_path):
     """A hybrid Gated DeltaNet model (tiny Qwen3.5) runs tree and flat steps; the FLOP ideal counts full attention by
     (query, key) pairs in its one full-attention layer of four."""
     out = tmp_path / "e2e.json"
-    cmd = [sys.executable, "benchmarks/e2e_bench.py", "--model", "tiny-qwen3.5", "--scale", "0.01",
-           "--max-tokens-per-mb", "256", "--workloads", "grpo", "--warmup", "0", "--steps", "1", "--no-profile",
-           "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=cpu_env())
+    proc = run_python("benchmarks/e2e_bench.py", ["--model", "tiny-qwen3.5", "--scale", "0.01", "--max-tokens-per-mb",
+                                                  "256", "--workloads", "grpo", "--warmup", "0", "--steps", "1",
+                                                  "--no-profile", "--out", out])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["token_ratio"] < 0.6 and row["flop_ideal_speedup"] > 1.5

@@ -11,12 +11,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from dist_utils import REPO_ROOT, cpu_env, run_torchrun
+from dist_utils import run_python, run_torchrun
 from scripts.parity_common import branching_forest, micro_batches
 from scripts.verify_dist import packed_index_rope
 
@@ -206,10 +204,7 @@ def test_verify_at_tp2_and_pp2(tmp_path):
 
 @pytest.mark.slow
 def test_launcher_flag_logs_the_error():
-    proc = subprocess.run(
-        [sys.executable, "examples/train_tree.py", "--steps", "1", "--no-progress", "--verify-tree-model"],
-        cwd=REPO_ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600,
-    )
+    proc = run_python("examples/train_tree.py", ["--steps", "1", "--no-progress", "--verify-tree-model"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = re.search(r"verify_tree_model: tree vs per-sequence max \|dlogprob\| (\S+) <= tolerance ([^,]+), "
                      r"max grad rel err (\S+) <= tolerance (\S+)", proc.stdout)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_utils import REPO_ROOT, TorchrunCases, cpu_env
+from dist_utils import REPO_ROOT, TorchrunCases, cpu_env, run_python
 from examples.make_rollouts import make_rollouts, write_rollouts
 from megatron_tree.train.__main__ import FLAGS, build_parser, main, report_error
 from megatron_tree.train.config import RunConfig
@@ -27,11 +27,8 @@ def records(path):
 @pytest.mark.slow
 def test_launcher_trains_and_loss_goes_down(tmp_path):
     out = tmp_path / "run.jsonl"
-    subprocess.run(
-        [sys.executable, str(LAUNCHER), "--config", "configs/tiny_qwen3.yaml", "--steps", "4", "--no-progress",
-         "--log-jsonl", str(out)],
-        cwd=REPO_ROOT, check=True, env=cpu_env(), capture_output=True, timeout=600,
-    )
+    proc = run_python(LAUNCHER, ["--config", "configs/tiny_qwen3.yaml", "--steps", "4", "--no-progress", "--log-jsonl", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     recs = records(out)
     assert len(recs) == 4
     losses = [r["loss"] for r in recs]
