@@ -91,6 +91,33 @@ def test_a_wrong_encoding_is_seen():
     assert not torch.equal(intervals_to_mask(intervals, 9), dense_tree_mask(end))
 
 
+def test_mask_plans_are_built_once_per_shape_and_kind(monkeypatch):
+    """One cuDNN mask plan per (heads, head dims, dtype) and micro-batch, shared by the layers: a forward-only plan is
+    built when no backward is needed (activation recompute's first forward, log-prob passes), one with backward
+    payloads when it is, and that one then serves forward-only calls too."""
+    import sys
+    import types
+
+    built = []
+
+    def create_mask_plan(intervals, q, k, v, *, build_backward):
+        built.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), build_backward))
+        return f"plan{len(built)}"
+
+    fake = types.ModuleType("cudnn.flex_attention")
+    fake.create_mask_plan = create_mask_plan
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    monkeypatch.setitem(sys.modules, "cudnn.flex_attention", fake)
+    mask = cudnn_flex_tree_mask(torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9], dtype=torch.int32))
+    q, k, v = torch.zeros(1, 9, 8, 64), torch.zeros(1, 9, 2, 64), torch.zeros(1, 9, 2, 64)
+    assert [mask.plan(q, k, v, False) for _ in range(3)] == ["plan1"] * 3
+    assert [mask.plan(q, k, v, True) for _ in range(2)] == ["plan2"] * 2
+    assert mask.plan(q, k, v, False) == "plan2"
+    assert mask.plan(q[..., :4, :], k[..., :1, :], v[..., :1, :], True) == "plan3"  # another head layout
+    assert mask.plan(q.bfloat16(), k.bfloat16(), v.bfloat16(), False) == "plan4"
+    assert [b[-1] for b in built] == [False, True, True, False]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_refused_without_a_gpu_with_the_reason():
     assert "needs a CUDA GPU" in cudnn_flex_unavailable_reason()
