@@ -22,6 +22,7 @@ import atexit
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import warnings
@@ -69,7 +70,7 @@ def run_torchrun(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path), *args]
     if fork and FORK_SERVER.usable():
         returncode, output, _, timed_out = FORK_SERVER.run(path, nproc, [str(a) for a in args], env, timeout)
-        cmd = [f"(forked like) {cmd[0]}", *cmd[1:]]
+        cmd.append("(its processes forked by tests/fork_server.py)")
         if timed_out:
             pytest.fail(f"{' '.join(cmd)} ran past {timeout}s; output tail:\n{output[-tail:]}")
     else:
@@ -121,7 +122,8 @@ class _ForkServer:
             return False
         self.start()
         if not self.ready:
-            line = self.proc.stdout.readline()
+            started, _, _ = select.select([self.proc.stdout], [], [], 600)
+            line = self.proc.stdout.readline() if started else ""
             self.ready = line.startswith('{"ready"')
             if not self.ready:
                 self.log.seek(0)
@@ -153,21 +155,27 @@ class _ForkServer:
                        cwd=str(cwd), out=str(out), err=str(err) if split else None, timeout=timeout)
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
-            reply = self.proc.stdout.readline()
+            answered, _, _ = select.select([self.proc.stdout], [], [], timeout + 120)  # it ends jobs at ``timeout``
+            reply = self.proc.stdout.readline() if answered else ""
             if not reply:
+                self.proc.kill()
                 self.log.seek(0)
-                self.problem = f"the fork server died: {self.log.read()[-2000:]}"
+                self.problem = f"the fork server died or hung: {self.log.read()[-2000:]}"
                 pytest.fail(self.problem)
             result = json.loads(reply)
             return result["rc"], out.read_text(), err.read_text() if split else "", result["timed_out"]
 
     def close(self) -> None:
+        """End the server (at the end of the session) and remove its log."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        if self.log is not None:
+            self.log.close()
+            os.unlink(self.log.name)
 
 
 FORK_SERVER = _ForkServer()

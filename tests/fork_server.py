@@ -57,6 +57,7 @@ def _rank(job: dict, rank: int, port: int, out_fd: int, err_fd: int) -> None:
     """The body of one forked process; never returns."""
     rc = 1
     try:
+        os.close(REPLY_FD)  # the protocol pipe is the server's alone (its client waits for the end of it)
         os.setpgid(0, 0)  # its own process group: ending the rank ends what it started
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -155,10 +156,17 @@ def run_job(job: dict) -> dict:
     return {"rc": -9 if timed_out else (first_failure or 0), "timed_out": timed_out}
 
 
+REPLY_FD = -1
+"""The protocol pipe's file descriptor in the server (its stdout moves there; fd 1 becomes its stderr, so that
+nothing a library prints reaches the client as a reply)."""
+
+
 def main() -> None:
+    global REPLY_FD
+    REPLY_FD = os.dup(1)
+    os.dup2(2, 1)
+    reply = os.fdopen(REPLY_FD, "w")
     preload()
-    reply = sys.stdout
-    sys.stdout = sys.stderr  # nothing but replies on the protocol stream
     print(json.dumps({"ready": True}), file=reply, flush=True)
     for line in sys.stdin:
         if not line.strip():
