@@ -26,14 +26,13 @@ window, no attention dropout.
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 from dataclasses import dataclass, field
 
 import torch
 
+from megatron_tree.attention.availability import hopper_or_blackwell_problem, pinned_import_problem
 from megatron_tree.attention.flex import _check_qkv, _check_subtree_end
-from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, device_generation
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 from megatron_tree.core.masks import tree_depths, tree_parents
 
 __all__ = [
@@ -114,38 +113,13 @@ def intervals_to_mask(intervals: torch.Tensor, num_slots: int) -> torch.Tensor:
     return ((key[None, None] >= begin[..., None]) & (key[None, None] < finish[..., None])).any(0)
 
 
-@functools.cache
-def _import_error() -> str | None:
-    """None when ``cudnn.flex_attention`` of :data:`CUDNN_FRONTEND_VERSION` imports, else why not."""
-    try:
-        version = importlib.metadata.version("nvidia-cudnn-frontend")
-    except importlib.metadata.PackageNotFoundError:
-        return f"nvidia-cudnn-frontend is not installed (pip install nvidia-cudnn-frontend=={CUDNN_FRONTEND_VERSION})"
-    if version != CUDNN_FRONTEND_VERSION:
-        return (f"nvidia-cudnn-frontend {version} is installed; this backend is written for {CUDNN_FRONTEND_VERSION} "
-                f"(pip install nvidia-cudnn-frontend=={CUDNN_FRONTEND_VERSION})")
-    try:
-        import cudnn.flex_attention  # noqa: F401
-    except Exception as exc:  # no CuTe DSL, a broken CUDA install
-        return f"cudnn.flex_attention does not import: {type(exc).__name__}: {exc}"
-    return None
-
-
 def cudnn_flex_unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the cudnn_flex backend cannot run on ``device`` (default: the current CUDA device), None if it can."""
     device = None if device is None else torch.device(device)
-    problems = []
-    if not torch.cuda.is_available():
-        problems.append("it needs a CUDA GPU (Hopper sm90 or Blackwell sm100)")
-    elif device is not None and device.type != "cuda":
-        problems.append(f"the tensors are on {device}, not on a CUDA GPU")
-    else:
-        generation = device_generation("cuda" if device is None else device)
-        if generation not in ("sm90", "sm100"):
-            problems.append(f"its kernels run on Hopper (sm90) and Blackwell (sm100); this GPU is {generation}")
-    missing = _import_error()
+    problems = [p for p in (hopper_or_blackwell_problem(device),) if p is not None]
+    missing = pinned_import_problem("nvidia-cudnn-frontend", CUDNN_FRONTEND_VERSION, "cudnn.flex_attention")
     if missing is not None:
-        problems.append(missing)
+        problems.append(f"{missing}; or pip install -e '.[cudnn_flex]'")
     return "the cudnn_flex tree attention backend cannot run: " + "; ".join(problems) if problems else None
 
 

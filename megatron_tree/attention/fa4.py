@@ -37,12 +37,12 @@ it computes exactly, wherever it runs.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from dataclasses import dataclass
 
 import torch
 
-from megatron_tree.attention.shapes import AttentionShape, ProvenShapes, device_generation
+from megatron_tree.attention.availability import hopper_or_blackwell_problem, pinned_import_problem
+from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 from megatron_tree.attention.flex import (
     _check_qkv,
     _check_subtree_end,
@@ -92,35 +92,16 @@ backward's 64-row query tiles. (64-row backward tables were tried on the H200: n
 benchmark trees, twice the table build time, and the head-dim-64 and query-slot GPU tests failed.)"""
 
 
-@functools.cache
 def _fa4_import_error() -> str | None:
     """None when ``flash_attn.cute`` of :data:`FA4_VERSION` imports, else why not."""
-    try:
-        version = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        return f"flash-attn-4 is not installed (pip install flash-attn-4=={FA4_VERSION})"
-    if version != FA4_VERSION:
-        return f"flash-attn-4 {version} is installed; this backend is written for {FA4_VERSION} (pip install flash-attn-4=={FA4_VERSION})"
-    try:
-        import flash_attn.cute.interface  # noqa: F401
-    except Exception as exc:  # a broken CUDA / CuTe DSL install surfaces here
-        return f"flash_attn.cute does not import: {type(exc).__name__}: {exc}"
-    return None
+    return pinned_import_problem("flash-attn-4", FA4_VERSION, "flash_attn.cute.interface", "flash_attn.cute")
 
 
 def fa4_unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the FA4 backend cannot run on ``device`` (default: the current CUDA device), None if it can.
     Names every missing prerequisite (GPU, GPU generation, the flash-attn-4 package)."""
     device = None if device is None else torch.device(device)
-    problems = []
-    if not torch.cuda.is_available():
-        problems.append("it needs a CUDA GPU (Hopper sm90 or Blackwell sm100)")
-    elif device is not None and device.type != "cuda":
-        problems.append(f"the tensors are on {device}, not on a CUDA GPU")
-    else:
-        major = int(device_generation("cuda" if device is None else device)[2:-1])  # "sm90" -> 9, "sm100" -> 10
-        if major not in (9, 10):
-            problems.append(f"it runs on Hopper (sm90) and Blackwell (sm100) GPUs; this GPU is sm{major}x")
+    problems = [p for p in (hopper_or_blackwell_problem(device),) if p is not None]
     missing = _fa4_import_error()
     if missing is not None:
         problems.append(f"{missing}; or pip install -e '.[fa4]'")

@@ -12,9 +12,9 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from forests import random_subtree_end
 
+from kernel_reference import bf16_inputs, dense_attention, fwd_bwd, gpu_tree, rel_errors
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.attention import tree_attention
 from megatron_tree.attention.cudnn_flex import (
@@ -142,35 +142,9 @@ def requires_cudnn_flex(test):
     return pytest.mark.gpu(_cudnn_here(test))
 
 
-def _tree(kind: str, max_tokens: int = 3000) -> torch.Tensor:
-    rng = np.random.default_rng(7)
-    if kind == "grpo":
-        seqs = grpo_batch(rng, n_prompts=2, samples=(4, 8), prompt_len=(300, 900), response_len=(20, 400), vocab=1000)
-    else:
-        seqs = multi_turn_batch(rng, n_conversations=3, turns=(4, 10), turn_len=(5, 120), fork_prob=0.4,
-                                system_len=200, vocab=1000)
-    return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))[0].attention_mask[0].cuda()
 
 
-def _run(fn, base, dtype):
-    q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in base[:3])
-    out = fn(q, k, v)
-    out.backward(base[3].to(dtype))
-    return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
-
-def _rel(xs, refs):
-    return [((x - r).norm() / r.norm()).item() for x, r in zip(xs, refs)]
-
-
-def _inputs(t, tq, heads, kv_heads, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = ((1, heads, tq, d), (1, kv_heads, t, d), (1, kv_heads, t, d), (1, heads, tq, d))
-    return [torch.randn(s, device="cuda", generator=g).bfloat16().float() for s in shapes]
-
-
-def _dense(mask, scale):
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 @requires_cudnn_flex
@@ -178,19 +152,19 @@ def _dense(mask, scale):
 @pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (8, 8, 64)])
 @pytest.mark.parametrize("query_slots", [False, True])
 def test_cudnn_flex_matches_dense_reference(kind, heads, kv_heads, d, query_slots):
-    end = _tree(kind)
+    end = gpu_tree(kind)
     t = end.shape[0]
     slots = None
     if query_slots:
         slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))[: t // 2]
     tq = t if slots is None else slots.numel()
-    base = _inputs(t, tq, heads, kv_heads, d)
+    base = bf16_inputs(t, tq, heads, kv_heads, d)
     scale = d ** -0.5
     mask = dense_tree_mask(end, slots)
-    ref = _run(_dense(mask, scale), base, torch.float32)
-    dense_bf16 = _rel(_run(_dense(mask, scale), base, torch.bfloat16), ref)
+    ref = fwd_bwd(dense_attention(mask, scale), base, torch.float32)
+    dense_bf16 = rel_errors(fwd_bwd(dense_attention(mask, scale), base, torch.bfloat16), ref)
     prepared = cudnn_flex_tree_mask(end, slots)
-    got = _rel(_run(lambda q, k, v: _flex(q, k, v, prepared, scale), base, torch.bfloat16), ref)
+    got = rel_errors(fwd_bwd(lambda q, k, v: _flex(q, k, v, prepared, scale), base, torch.bfloat16), ref)
     for name, e, e_dense in zip(("out", "dq", "dk", "dv"), got, dense_bf16):
         assert e <= 2 * e_dense + 1e-4, f"{name}: cuDNN flex rel err {e:.2e} vs dense bf16 {e_dense:.2e}"
 
@@ -198,11 +172,11 @@ def test_cudnn_flex_matches_dense_reference(kind, heads, kv_heads, d, query_slot
 @requires_cudnn_flex
 def test_cudnn_flex_wrong_mask_is_caught():
     """The comparison can fail: the tree kernel against the reference of a causal mask is far off."""
-    end = _tree("grpo")
+    end = gpu_tree("grpo")
     t = end.shape[0]
-    base = _inputs(t, t, 16, 8, 128, seed=2)
+    base = bf16_inputs(t, t, 16, 8, 128, seed=2)
     causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
-    ref = _run(_dense(causal, 128 ** -0.5), base, torch.float32)
+    ref = fwd_bwd(dense_attention(causal, 128 ** -0.5), base, torch.float32)
     prepared = cudnn_flex_tree_mask(end)
-    got = _rel(_run(lambda q, k, v: _flex(q, k, v, prepared, 128 ** -0.5), base, torch.bfloat16), ref)
+    got = rel_errors(fwd_bwd(lambda q, k, v: _flex(q, k, v, prepared, 128 ** -0.5), base, torch.bfloat16), ref)
     assert got[0] > 0.05

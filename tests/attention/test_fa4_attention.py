@@ -6,17 +6,14 @@ bf16 kernel with the dense tree mask. A wrong mask (one visible pair too many or
 partial tile) moves the output by far more, which the last test checks.
 """
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from megatron_tree import MicroBatchSpec, pack_trees
+from kernel_reference import bf16_inputs, dense_attention, fwd_bwd, gpu_tree, rel_errors
 from megatron_tree.attention import fa4 as fa4_attention
 from megatron_tree.core.platform import have_transformer_engine
 from megatron_tree.attention.fa4 import fa4_available, fa4_tree_attention, fa4_tree_mask, fa4_unavailable_reason
 from megatron_tree.core.masks import dense_tree_mask
-from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
 
 # Transformer Engine loads the system cuDNN: importing it after SDPA's cuDNN backend ran fails, so first.
 have_transformer_engine()
@@ -31,49 +28,18 @@ def requires_fa4(test):
     return pytest.mark.gpu(_fa4_here(test))
 
 
-def _tree(kind: str, max_tokens: int = 3000) -> torch.Tensor:
-    rng = np.random.default_rng(7)
-    if kind == "grpo":  # siblings after a long shared prompt
-        seqs = grpo_batch(rng, n_prompts=2, samples=(4, 8), prompt_len=(300, 900), response_len=(20, 400), vocab=1000)
-    else:  # deep, branching multi-turn trees with short nodes
-        seqs = multi_turn_batch(rng, n_conversations=3, turns=(4, 10), turn_len=(5, 120), fork_prob=0.4,
-                                system_len=200, vocab=1000)
-    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))[0]
-    return mb.attention_mask[0].cuda()
 
 
-def _run(fn, base, dtype):
-    q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in base[:3])
-    out = fn(q, k, v)
-    out.backward(base[3].to(dtype))
-    return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
-
-def _rel(xs, refs):
-    return [((x - r).norm() / r.norm()).item() for x, r in zip(xs, refs)]
-
-
-def _inputs(t, tq, heads, kv_heads, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = ((1, heads, tq, d), (1, kv_heads, t, d), (1, kv_heads, t, d), (1, heads, tq, d))
-    # bf16-representable values, so the fp32 reference and the bf16 kernels see the same inputs
-    return [torch.randn(s, device="cuda", generator=g).bfloat16().float() for s in shapes]
-
-
-def _dense(mask):
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-    return attend
 
 
 def _check_against_dense(end, slots, base):
     """FA4 bf16 out / dq / dk / dv within twice the dense bf16 kernel's error of the fp32 dense reference."""
     mask = dense_tree_mask(end, slots)
-    ref = _run(_dense(mask), base, torch.float32)
-    dense_bf16 = _rel(_run(_dense(mask), base, torch.bfloat16), ref)
+    ref = fwd_bwd(dense_attention(mask), base, torch.float32)
+    dense_bf16 = rel_errors(fwd_bwd(dense_attention(mask), base, torch.bfloat16), ref)
     prepared = fa4_tree_mask(end, slots)
-    fa4 = _rel(_run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16), ref)
+    fa4 = rel_errors(fwd_bwd(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16), ref)
     for name, e, e_dense in zip(("out", "dq", "dk", "dv"), fa4, dense_bf16):
         assert e <= 2 * e_dense + 1e-4, f"{name}: FA4 rel err {e:.2e} vs dense bf16 {e_dense:.2e}"
 
@@ -82,31 +48,31 @@ def _check_against_dense(end, slots, base):
 @pytest.mark.parametrize("kind", ["grpo", "multi_turn"])
 @pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (8, 8, 64)])
 def test_fa4_matches_dense_reference(kind, heads, kv_heads, d):
-    end = _tree(kind)
+    end = gpu_tree(kind)
     t = end.shape[0]
     assert t % 128, "the test wants a ragged last tile"
-    _check_against_dense(end, None, _inputs(t, t, heads, kv_heads, d))
+    _check_against_dense(end, None, bf16_inputs(t, t, heads, kv_heads, d))
 
 
 @requires_fa4
 def test_fa4_query_slots_match_dense_reference():
     """Context parallel: the rank's queries are a scattered subset of the slots (the mask pads them with -1 rows)."""
-    end = _tree("multi_turn")
+    end = gpu_tree("multi_turn")
     t = end.shape[0]
     g = torch.Generator(device="cuda").manual_seed(3)
     slots = torch.randperm(t, device="cuda", generator=g)[: t // 2]
-    _check_against_dense(end, slots, _inputs(t, slots.numel(), 16, 8, 128, seed=1))
+    _check_against_dense(end, slots, bf16_inputs(t, slots.numel(), 16, 8, 128, seed=1))
 
 
 @requires_fa4
 def test_fa4_wrong_mask_is_caught():
     """The comparison can fail: the tree kernel against the reference of a causal mask is far off."""
-    end = _tree("grpo")
+    end = gpu_tree("grpo")
     t = end.shape[0]
-    base = _inputs(t, t, 16, 8, 128, seed=2)
+    base = bf16_inputs(t, t, 16, 8, 128, seed=2)
     causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
-    ref = _run(_dense(causal), base, torch.float32)
-    fa4 = _rel(_run(lambda q, k, v: fa4_tree_attention(q, k, v, fa4_tree_mask(end)), base, torch.bfloat16), ref)
+    ref = fwd_bwd(dense_attention(causal), base, torch.float32)
+    fa4 = rel_errors(fwd_bwd(lambda q, k, v: fa4_tree_attention(q, k, v, fa4_tree_mask(end)), base, torch.bfloat16), ref)
     assert fa4[0] > 0.05
 
 
@@ -136,17 +102,17 @@ def _lean_and_elementwise(query_slots: bool, heads: int, kv_heads: int, token_ma
     head-major in memory, or token-major as Megatron's [T, 1, h, d] permuted)."""
     from flash_attn.cute.interface import flash_attn_func
 
-    end = _tree("multi_turn")
+    end = gpu_tree("multi_turn")
     t = end.shape[0]
     slots = None
     if query_slots:
         slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))[: t // 2]
     tq = t if slots is None else slots.numel()
-    base = _inputs(t, tq, heads, kv_heads, 128, seed=4)
+    base = bf16_inputs(t, tq, heads, kv_heads, 128, seed=4)
     if token_major:
         base = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in base]
     prepared = fa4_tree_mask(end, slots)
-    lean = _run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16)
+    lean = fwd_bwd(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), base, torch.bfloat16)
     tree, tree_slots = _elementwise_tree_mask_mods()
 
     def elementwise(q, k, v):
@@ -155,7 +121,7 @@ def _lean_and_elementwise(query_slots: bool, heads: int, kv_heads: int, token_ma
                                block_sparse_tensors=prepared.forward,
                                block_sparse_tensors_bwd=prepared.backward)[0].transpose(1, 2)
 
-    return lean, _run(elementwise, base, torch.bfloat16)
+    return lean, fwd_bwd(elementwise, base, torch.bfloat16)
 
 
 def _assert_dq_close(a, b):
@@ -219,7 +185,7 @@ def test_head_pair_kernels_are_exact(head_major):
 
 @requires_fa4
 def test_fa4_refuses_fp32():
-    end = _tree("grpo")
+    end = gpu_tree("grpo")
     t = end.shape[0]
     q = torch.randn(1, 4, t, 64, device="cuda")
     k = torch.randn(1, 4, t, 64, device="cuda")
@@ -287,7 +253,7 @@ def test_auto_backend_runs_fa4_for_bf16_and_flex_for_fp32(monkeypatch):
     real = fa4_attention.fa4_tree_attention
     monkeypatch.setattr(fa4_attention, "fa4_tree_attention", lambda *a, **k: used.append(1) or real(*a, **k))
     PREPARED_MASKS.clear()
-    mask = _tree("grpo")[None]
+    mask = gpu_tree("grpo")[None]
     t = mask.shape[1]
     g = torch.Generator(device="cuda").manual_seed(4)
     q, k, v = (torch.randn(t, 1, h, 128, device="cuda", generator=g) for h in (16, 8, 8))
@@ -324,7 +290,7 @@ def test_auto_passes_over_unproven_fa4_with_one_warning(recwarn):
 
     _PASSED_OVER.clear()
     PREPARED_MASKS.clear()
-    mask = _tree("grpo")[None]
+    mask = gpu_tree("grpo")[None]
     t = mask.shape[1]
     q, k = (torch.randn(t, 1, h, 256, device="cuda", dtype=torch.bfloat16) for h in (4, 2))
     ref = tree_attention(q.double(), k.double(), k.double(), mask, backend="dense")
