@@ -1,7 +1,9 @@
 """Slots a chunked run keeps at once, on the CPU: the e2e benchmark's batches packed with
 ``MicroBatchSpec(chunk_trees=True)``, each schedule step driven by ``chunk_schedule.run_chunked_tree`` with a
 stand-in model (one scalar per chunk), counting the slots of the chunks whose activations are alive (forward done,
-backward not yet) after every forward. A proxy for the activation memory of a chunked step.
+backward not yet) after every forward. A proxy for the activation memory of a chunked step. Next to it, the slots of
+the flat step's largest micro-batch at the same size (``flat_micro_batch_slots``: ``max_tokens_per_mb``, or the
+longest sequence where that is longer: a flat step cannot cut a sequence) and their ratio (``kept_vs_flat``).
 
     python benchmarks/chunk_memory.py --out benchmarks/results/chunk_memory.json
 """
@@ -52,6 +54,7 @@ def main():
     rows = []
     for name in args.workloads.split(","):
         seqs = workloads(name, np.random.default_rng(0), 151936)
+        longest = max(map(len, seqs))
         for cap in map(int, args.caps.split(",")):
             mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, packing_algorithm="kk"))
             chunks = [mb for mb in mbs if mb.chunk]
@@ -59,7 +62,9 @@ def main():
             rows.append(dict(workload=name, max_tokens_per_mb=cap, micro_batches=len(mbs), chunks=len(chunks),
                              chunks_exporting_nothing=sum(mb.export_slots is None or mb.export_slots.numel() == 0
                                                           for mb in chunks),
-                             kept_slots_per_step=steps, max_kept_slots=max(steps)))
+                             kept_slots_per_step=steps, max_kept_slots=max(steps),
+                             longest_sequence=longest, flat_micro_batch_slots=max(cap, longest),
+                             kept_vs_flat=round(max(steps) / max(cap, longest), 3)))
             print(json.dumps(rows[-1]))
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
