@@ -14,9 +14,9 @@ and its samples need M = 2, a deep multi-turn tree one interval per branch taken
 
 The kernels are the ``nvidia-cudnn-frontend`` package's (pinned to :data:`CUDNN_FRONTEND_VERSION`; they are
 CuTe DSL kernels, like FlashAttention-4's, with a persistent compile cache): a *mask plan* classifies the
-(query, key) tiles once per micro-batch and attention shape (``create_mask_plan``; one host sync), full tiles
-skip the mask, partial tiles evaluate the intervals per element, empty tiles are never loaded; forward and
-backward read the same plan. Plans are built on first use per (head counts, head dims, dtype, backward) and
+(query, key) tiles once per micro-batch and attention shape (``create_mask_plan``; one host sync) and materialises
+the mask of the partial ones; full tiles skip the mask, empty tiles are never loaded; forward and backward read the
+same plan. Plans are built on first use per (head counts, head dims, dtype, backward) and
 kept in the :class:`CudnnFlexTreeMask`, so the layers of a model share one.
 
 bf16 / fp16 only (the kernels have no fp32 path). Trusted only where a GPU test compared its gradients
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 CUDNN_FRONTEND_VERSION = "1.32.0"
-"""The ``nvidia-cudnn-frontend`` release this module is written and tested against."""
+"""The ``nvidia-cudnn-frontend`` release this module is written against (its API is new and still moving)."""
 
 PROVEN = ProvenShapes.none("no GPU conformance run has compared cuDNN frontend's flex attention yet")
 """Where the kernels of :data:`CUDNN_FRONTEND_VERSION` were proven exact (forward and backward against the dense
