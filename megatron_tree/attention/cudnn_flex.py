@@ -68,7 +68,7 @@ def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None =
 
     A *run start* is a slot whose parent is not the slot before it (a root, or a child after a sibling's
     subtree); the runs of a query's path begin at its run-start ancestors-or-self, and a run ends one past the
-    parent of the next run's start. Two host syncs (M; whether a root run needs a leading empty interval).
+    parent of the next run's start. One host sync (M, and whether a root run needs a leading empty interval).
     """
     end = _check_subtree_end(subtree_end).long()
     t = end.shape[0]
