@@ -25,6 +25,7 @@ import re
 import select
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -69,7 +70,7 @@ def run_torchrun(
     env = cpu_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path), *args]
     if fork and FORK_SERVER.usable():
-        returncode, output, _, timed_out = FORK_SERVER.run(path, nproc, [str(a) for a in args], env, timeout)
+        returncode, output, _, timed_out = FORK_SERVER.run(path, nproc, args, env, timeout)
         cmd.append("(its processes forked by tests/fork_server.py)")
         if timed_out:
             pytest.fail(f"{' '.join(cmd)} ran past {timeout}s; output tail:\n{output[-tail:]}")
@@ -94,8 +95,7 @@ def run_python(script: str | os.PathLike | None, args: Sequence[str] = (), *, co
     path = None if script is None else (Path(script) if Path(script).is_absolute() else REPO_ROOT / script)
     cmd = [sys.executable, *(["-c", code] if code is not None else [str(path)]), *map(str, args)]
     if FORK_SERVER.usable():
-        rc, out, err, timed_out = FORK_SERVER.run(path, None, [str(a) for a in args], env, timeout, code=code,
-                                                  cwd=Path(cwd), split=True)
+        rc, out, err, timed_out = FORK_SERVER.run(path, None, args, env, timeout, code=code, cwd=Path(cwd), split=True)
         if timed_out:
             pytest.fail(f"{' '.join(cmd)} ran past {timeout}s; output tail:\n{(out + err)[-6000:]}")
         return subprocess.CompletedProcess(cmd, rc, out, err)
@@ -116,9 +116,12 @@ class _ForkServer:
         self.problem: str | None = None if hasattr(os, "fork") else "no os.fork on this platform"
         self.log = None
 
+    def _off(self) -> bool:
+        return os.environ.get("MEGATRON_TREE_TEST_FORK_SERVER", "1") == "0" or self.problem is not None
+
     def usable(self) -> bool:
         """Whether jobs run here (the server is started, and waited for, on the first ask)."""
-        if os.environ.get("MEGATRON_TREE_TEST_FORK_SERVER", "1") == "0" or self.problem is not None:
+        if self._off():
             return False
         self.start()
         if not self.ready:
@@ -134,24 +137,20 @@ class _ForkServer:
 
     def start(self) -> None:
         """Start the server (its imports run in the background until the first job waits for them)."""
-        import tempfile
-
-        if self.proc is not None or os.environ.get("MEGATRON_TREE_TEST_FORK_SERVER", "1") == "0" or self.problem:
+        if self.proc is not None or self._off():
             return
         self.log = tempfile.NamedTemporaryFile("w+", prefix="fork_server_", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, str(TESTS_DIR / "fork_server.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=cpu_env(), cwd=REPO_ROOT)
 
-    def run(self, script: Path | None, nproc: int | None, args: list[str], env: dict[str, str], timeout: float, *,
+    def run(self, script: Path | None, nproc: int | None, args: Sequence, env: dict[str, str], timeout: float, *,
             code: str | None = None, cwd: Path = REPO_ROOT, split: bool = False) -> tuple[int, str, str, bool]:
         """(exit status, stdout, stderr, timed out) of the job: ``nproc`` ranks of ``script`` as under torchrun, or
         (``nproc`` None) one ``python script args`` / ``python -c code``. Without ``split`` the stderr of every
         process is in the first string, interleaved as written, and the second is empty."""
-        import tempfile
-
         with tempfile.TemporaryDirectory(prefix="job_") as tmp:
             out, err = Path(tmp, "out"), Path(tmp, "err")
-            job = dict(script=None if script is None else str(script), code=code, args=args, nproc=nproc, env=env,
+            job = dict(script=None if script is None else str(script), code=code, args=list(map(str, args)), nproc=nproc, env=env,
                        cwd=str(cwd), out=str(out), err=str(err) if split else None, timeout=timeout)
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()

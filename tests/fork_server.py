@@ -25,7 +25,6 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -45,12 +44,6 @@ def preload() -> None:
     import megatron_tree  # noqa: F401
     import megatron_tree.mcore.schedule  # noqa: F401
     import megatron_tree.train.trainer  # noqa: F401
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(job: dict, rank: int, port: int, out_fd: int, err_fd: int) -> None:
@@ -115,6 +108,8 @@ def _end(pids: dict[int, int | None], sig: int) -> None:
 
 def run_job(job: dict) -> dict:
     """Fork the job's ranks, wait for them (ending the rest when one fails, or all at the timeout)."""
+    from megatron_tree.runtime.distributed import _free_port  # imported by preload()
+
     port = _free_port()
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     out_fd = os.open(job["out"], flags, 0o644)

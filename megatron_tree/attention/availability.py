@@ -12,7 +12,7 @@ import torch
 
 from megatron_tree.attention.shapes import device_generation
 
-__all__ = ["hopper_or_blackwell_problem", "pinned_import_problem"]
+__all__ = ["hopper_or_blackwell_problem", "pinned_import_problem", "unavailable_reason"]
 
 
 @functools.cache
@@ -42,3 +42,12 @@ def hopper_or_blackwell_problem(device: torch.device | None) -> str | None:
     if major not in (9, 10):
         return f"it runs on Hopper (sm90) and Blackwell (sm100) GPUs; this GPU is sm{major}x"
     return None
+
+
+def unavailable_reason(backend: str, device: torch.device | None, import_problem: str | None, extra: str) -> str | None:
+    """Why ``backend``'s kernels cannot run on ``device`` (None: the current CUDA device): the GPU it lacks and the
+    package problem (``import_problem``, from :func:`pinned_import_problem`; the fix ``pip install -e '.[extra]'``
+    added), or None when they can."""
+    problems = [p for p in (hopper_or_blackwell_problem(device),
+                            import_problem and f"{import_problem}; or pip install -e '.[{extra}]'") if p]
+    return f"the {backend} tree attention backend cannot run: " + "; ".join(problems) if problems else None

@@ -158,10 +158,10 @@ def _raw(backend: str, end: torch.Tensor, slots: torch.Tensor | None, scale: flo
         mask = fa4_tree_mask(end, slots)
         return lambda q, k, v: _flash(q, k, v, mask, scale)
     if backend == "cudnn_flex":
-        from megatron_tree.attention.cudnn_flex import _flex, cudnn_flex_tree_mask
+        from megatron_tree.attention.cudnn_flex import WINDOW_REFUSAL, _flex, cudnn_flex_tree_mask
 
         if window is not None:
-            raise ValueError("the cudnn_flex backend has no sliding-window mask")
+            raise ValueError(WINDOW_REFUSAL)
         mask = cudnn_flex_tree_mask(end, slots)
         return lambda q, k, v: _flex(q, k, v, mask, scale)
     return None

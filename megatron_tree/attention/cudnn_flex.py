@@ -30,15 +30,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_tree.attention.availability import hopper_or_blackwell_problem, pinned_import_problem
+from megatron_tree.attention.availability import pinned_import_problem, unavailable_reason
 from megatron_tree.attention.flex import _check_qkv, _check_subtree_end
 from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
-from megatron_tree.core.masks import tree_depths, tree_parents
+from megatron_tree.core.masks import tree_parents
 
 __all__ = [
     "CUDNN_FRONTEND_VERSION",
     "CudnnFlexTreeMask",
     "PROVEN",
+    "WINDOW_REFUSAL",
     "attend",
     "cudnn_flex_available",
     "cudnn_flex_tree_attention",
@@ -77,15 +78,17 @@ def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None =
     starts = parent != slot - 1
     starts[0] = True
     # runs[i]: run starts among i's ancestors-or-self (j <= i < end[j]); +1 at j, -1 at end[j], prefix sum.
+    first = slot[starts]
     delta = torch.zeros(t + 1, dtype=torch.long, device=end.device)
-    delta.index_add_(0, slot[starts], torch.ones_like(slot[starts]))
-    delta.index_add_(0, end[starts], -torch.ones_like(slot[starts]))
+    delta.index_add_(0, first, torch.ones_like(first))
+    delta.index_add_(0, end[starts], -torch.ones_like(first))
     runs = delta.cumsum(0)[:t]
     run_start = torch.where(starts, slot, -1).cummax(0).values  # the run holding each slot begins here
-    root = torch.where(tree_depths(end) == 0, slot, -1).cummax(0).values
+    root = torch.where(parent < 0, slot, -1).cummax(0).values  # the root of each slot's tree
     rows = slot if query_slots is None else query_slots.reshape(-1).long()
     runs, tq = runs[rows], rows.shape[0]
-    most, lead = (int(x) for x in torch.stack([runs.max(), ((runs == runs.max()) & (root[rows] > 0)).any()]).tolist())
+    top = runs.max()
+    most, lead = (int(x) for x in torch.stack([top, ((runs == top) & (root[rows] > 0)).any()]).tolist())
     m = most + lead  # interval 0 begins at 0: a row of M runs whose root is not slot 0 needs an empty one first
     begin = torch.zeros(m, tq, dtype=torch.long, device=end.device)
     finish = torch.zeros_like(begin)
@@ -116,11 +119,8 @@ def intervals_to_mask(intervals: torch.Tensor, num_slots: int) -> torch.Tensor:
 def cudnn_flex_unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the cudnn_flex backend cannot run on ``device`` (default: the current CUDA device), None if it can."""
     device = None if device is None else torch.device(device)
-    problems = [p for p in (hopper_or_blackwell_problem(device),) if p is not None]
     missing = pinned_import_problem("nvidia-cudnn-frontend", CUDNN_FRONTEND_VERSION, "cudnn.flex_attention")
-    if missing is not None:
-        problems.append(f"{missing}; or pip install -e '.[cudnn_flex]'")
-    return "the cudnn_flex tree attention backend cannot run: " + "; ".join(problems) if problems else None
+    return unavailable_reason("cudnn_flex", device, missing, "cudnn_flex")
 
 
 def cudnn_flex_available(device: torch.device | None = None) -> bool:
@@ -194,10 +194,14 @@ def cudnn_flex_tree_attention(
     return _flex(query, key, value, mask, query.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
 
 
+WINDOW_REFUSAL = "the cudnn_flex backend has no sliding-window mask (the window is not written into its intervals)"
+"""Why a windowed call does not run on cudnn_flex."""
+
+
 def refusal(shape: AttentionShape, *, batch: int, dropout_p: float) -> str | None:
     """Backend ``refusal``: why the cudnn_flex backend does not compute a call of ``shape`` exactly, None when it does."""
     if shape.windowed:
-        return "the cudnn_flex backend has no sliding-window mask (the window is not written into its intervals)"
+        return WINDOW_REFUSAL
     if dropout_p:
         return f"the cudnn_flex backend has no attention dropout (attention_dropout={dropout_p})"
     if shape.dtype not in (torch.bfloat16, torch.float16):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_tree.attention.availability import hopper_or_blackwell_problem, pinned_import_problem
+from megatron_tree.attention.availability import pinned_import_problem, unavailable_reason
 from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 from megatron_tree.attention.flex import (
     _check_qkv,
@@ -92,20 +92,12 @@ backward's 64-row query tiles. (64-row backward tables were tried on the H200: n
 benchmark trees, twice the table build time, and the head-dim-64 and query-slot GPU tests failed.)"""
 
 
-def _fa4_import_error() -> str | None:
-    """None when ``flash_attn.cute`` of :data:`FA4_VERSION` imports, else why not."""
-    return pinned_import_problem("flash-attn-4", FA4_VERSION, "flash_attn.cute.interface", "flash_attn.cute")
-
-
 def fa4_unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the FA4 backend cannot run on ``device`` (default: the current CUDA device), None if it can.
     Names every missing prerequisite (GPU, GPU generation, the flash-attn-4 package)."""
     device = None if device is None else torch.device(device)
-    problems = [p for p in (hopper_or_blackwell_problem(device),) if p is not None]
-    missing = _fa4_import_error()
-    if missing is not None:
-        problems.append(f"{missing}; or pip install -e '.[fa4]'")
-    return "the FA4 tree attention backend cannot run: " + "; ".join(problems) if problems else None
+    missing = pinned_import_problem("flash-attn-4", FA4_VERSION, "flash_attn.cute.interface", "flash_attn.cute")
+    return unavailable_reason("FA4", device, missing, "fa4")
 
 
 def _require(device: torch.device | None) -> None:
