@@ -1,9 +1,12 @@
 """Slots a chunked run keeps at once, on the CPU: the e2e benchmark's batches packed with
-``MicroBatchSpec(chunk_trees=True)``, each schedule step driven by ``chunk_schedule.run_chunked_tree`` with a
-stand-in model (one scalar per chunk), counting the slots of the chunks whose activations are alive (forward done,
-backward not yet) after every forward. A proxy for the activation memory of a chunked step. Next to it, the slots of
-the flat step's largest micro-batch at the same size (``flat_micro_batch_slots``: ``max_tokens_per_mb``, or the
-longest sequence where that is longer: a flat step cannot cut a sequence) and their ratio (``kept_vs_flat``).
+``MicroBatchSpec(chunk_trees=True, max_kept_tokens=...)``, each schedule step driven by
+``chunk_schedule.run_chunked_tree`` with a stand-in model (one scalar per chunk), counting the slots of the chunks
+whose graphs are alive (forward done, backward not yet; the chunk in flight included) at every forward. A proxy for the
+activation memory of a chunked step; chunks beyond ``max_kept_tokens`` keep only their exported keys and values
+and run their forward again before their backward (``recomputed_tokens``, ``extra_forward``: those over the unique
+tokens, the share of forwards run twice). Next to it, the slots of the flat step's largest micro-batch at the same
+size (``flat_micro_batch_slots``: ``max_tokens_per_mb``, or the longest sequence where that is longer: a flat step
+cannot cut a sequence) and their ratio (``kept_vs_flat``).
 
     python benchmarks/chunk_memory.py --out benchmarks/results/chunk_memory.json
 """
@@ -21,19 +24,22 @@ from megatron_tree.mcore.chunk_schedule import ChunkedTree, release_chunks, run_
 from megatron_tree.mcore.schedule import schedule_steps
 
 CONFIG = SimpleNamespace(num_moe_experts=None, grad_scale_func=None, no_sync_func=None)
+KEPT = {"all": 2**62, "default": None, "0": 0}
+"""``--max-kept`` names: keep every waiting chunk's graph, ``max_kept_tokens=None`` (``max_tokens_per_mb``), 0."""
 
 
 def kept_slots(chunks) -> int:
-    """Most slots alive at once in one step of ``chunks`` (a run of a tree larger than a micro-batch)."""
+    """Most slots of graphs alive at once in one step of ``chunks`` (a run of a tree larger than a micro-batch)."""
     weight = torch.ones((), requires_grad=True)
     alive, peak = {}, 0
 
     def forward(mb, mask):
         nonlocal peak
-        alive[mb.chunk.index] = mb.num_tokens
-        peak = max(peak, sum(alive.values()))
         out = weight * mb.input_ids.float().sum()
-        out.register_hook(lambda g, i=mb.chunk.index: alive.pop(i) and None)
+        if out.requires_grad:  # not a recomputed chunk's first forward
+            alive[mb.chunk.index] = mb.num_tokens
+            out.register_hook(lambda g, i=mb.chunk.index: alive.pop(i) and None)
+        peak = max(peak, sum(alive.values()))
         return out
 
     def loss_func_for(mb):
@@ -49,6 +55,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="grpo,long_multi_turn")
     ap.add_argument("--caps", default="8192,16384")
+    ap.add_argument("--max-kept", default="all,default,0", help=f"comma-separated, of {list(KEPT)} or ints")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
@@ -56,16 +63,23 @@ def main():
         seqs = workloads(name, np.random.default_rng(0), 151936)
         longest = max(map(len, seqs))
         for cap in map(int, args.caps.split(",")):
-            mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, packing_algorithm="kk"))
-            chunks = [mb for mb in mbs if mb.chunk]
-            steps = [kept_slots(s) if isinstance(s, list) else s.num_tokens for s in schedule_steps(mbs)]
-            rows.append(dict(workload=name, max_tokens_per_mb=cap, micro_batches=len(mbs), chunks=len(chunks),
-                             chunks_exporting_nothing=sum(mb.export_slots is None or mb.export_slots.numel() == 0
-                                                          for mb in chunks),
-                             kept_slots_per_step=steps, max_kept_slots=max(steps),
-                             longest_sequence=longest, flat_micro_batch_slots=max(cap, longest),
-                             kept_vs_flat=round(max(steps) / max(cap, longest), 3)))
-            print(json.dumps(rows[-1]))
+            for kept_name in args.max_kept.split(","):
+                max_kept = KEPT[kept_name] if kept_name in KEPT else int(kept_name)
+                mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, packing_algorithm="kk",
+                                                      max_kept_tokens=max_kept))
+                chunks = [mb for mb in mbs if mb.chunk]
+                again = sum(mb.num_tokens for mb in chunks if mb.chunk.recompute)
+                steps = [kept_slots(s) if isinstance(s, list) else s.num_tokens for s in schedule_steps(mbs)]
+                rows.append(dict(workload=name, max_tokens_per_mb=cap, max_kept_tokens=kept_name,
+                                 micro_batches=len(mbs), chunks=len(chunks),
+                                 chunks_exporting_nothing=sum(mb.export_slots is None or mb.export_slots.numel() == 0
+                                                              for mb in chunks),
+                                 chunks_recomputed=sum(mb.chunk.recompute for mb in chunks), recomputed_tokens=again,
+                                 extra_forward=round(again / sum(mb.num_tokens for mb in mbs), 3),
+                                 kept_slots_per_step=steps, max_kept_slots=max(steps),
+                                 longest_sequence=longest, flat_micro_batch_slots=max(cap, longest),
+                                 kept_vs_flat=round(max(steps) / max(cap, longest), 3)))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "kept_slots_per_step"}))
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -23,6 +23,11 @@ Backward order: chunk c's exported keys and values receive gradients from every 
 them, the chunks starting before the end of c's shallowest exported slot's subtree
 (``TreeChunk.last_reader``); c's backward runs after theirs.
 
+Memory: a chunk whose readers are still to come waits (forward done, backward not yet) with its activations, so a
+long path keeps many chunks. :func:`recompute_plan` picks the waiting chunks that keep nothing but their exported
+keys and values (and recurrent states): they run their forward once more right before their backward
+(``TreeChunk.recompute``), so the waiting chunks keep at most ``max_kept`` slots of activations at any time.
+
 Recurrent layers (Gated DeltaNet) read no keys but a state at the parent of each slot whose parent lies in
 an earlier chunk. Those parents are exported slots of their chunk (``TreeChunk.state_exports``: in the
 example, c is the parent of d and b of e, so chunk 0 keeps its state at b and c), and each chunk lists the
@@ -31,6 +36,8 @@ are read by chunks that read the context anyway, so ``last_reader`` orders their
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -73,6 +80,37 @@ def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
     return np.asarray(bounds, np.int64)
 
 
+def recompute_plan(slots: np.ndarray, last_reader: np.ndarray, max_kept: int) -> np.ndarray:
+    """Which chunks of a tree recompute their forward right before their backward: bool ``[k]``.
+
+    slots        int ``[k]``: each chunk's own slots; last_reader: int ``[k]`` (``TreeChunk.last_reader``).
+    max_kept     the most slots of activations the waiting chunks may keep during any chunk's forward.
+
+    The chunk driver (``megatron_tree.mcore.chunk_schedule``) runs the chunks as a stack: after chunk c's forward
+    it runs the backward of every chunk on top whose last reader has run; chunk 0's comes after all. So chunk i
+    waits through the forwards of chunks ``i+1 .. release[i]``. Greedy in forward order: where the waiting chunks
+    that keep their activations exceed ``max_kept`` slots, the one released last (it would hold them longest) is
+    recomputed instead, until the rest fit. A chunk that nobody reads never waits and is never recomputed.
+    """
+    k = slots.shape[0]
+    release = np.full(k, k, np.int64)  # chunk 0's backward runs after every forward
+    stack: list[int] = []
+    for c in range(k):
+        stack.append(c)
+        while len(stack) > 1 and last_reader[stack[-1]] <= c:
+            release[stack.pop()] = c
+    recompute = np.zeros(k, bool)
+    index = np.arange(k)
+    for c in range(1, k):
+        waiting = np.flatnonzero((index < c) & (release >= c) & ~recompute)
+        waiting = waiting[np.lexsort((-slots[waiting], -release[waiting]))]  # released last first
+        kept = slots[waiting].sum()
+        if kept > max_kept:
+            kept_after = kept - np.cumsum(slots[waiting])  # kept once the first j + 1 are recomputed
+            recompute[waiting[: int(np.argmax(kept_after <= max_kept)) + 1]] = True
+    return recompute
+
+
 def build_chunks(
     seqs: list[np.ndarray],
     ids: list[int],
@@ -81,9 +119,11 @@ def build_chunks(
     pad_to_multiple_of: int = 1,
     pad_token_id: int = 0,
     share_prefixes: bool = True,
+    max_kept: int | None = None,
 ) -> list[TreeMicroBatch]:
     """The chunk micro-batches of the forest of ``seqs[i] for i in ids`` (``ids`` ascending), tree ``group`` of
-    the pack, each at most ``capacity`` slots (module docstring). Each chunk holds the parts of the sequences
+    the pack, each at most ``capacity`` slots (module docstring); the waiting chunks keep at most ``max_kept``
+    slots of activations (:func:`recompute_plan`; None: ``capacity``). Each chunk holds the parts of the sequences
     that pass through its slots (``target_starts``, ``sequence_ends``); a part's targets are those its slots
     predict. ``share_prefixes=False`` lays each sequence out as its own chain first."""
     forest = (build_forest if share_prefixes else chain_forest)([seqs[i] for i in ids])
@@ -136,7 +176,10 @@ def build_chunks(
             ids, tokens[a:b], depth[a:b], own_end, ctx.size + np.concatenate([ctx_end, own_end]), exp - a, chunk,
             seq_of[sel], pos[sel], paths[sel] - a, is_last[sel], labels[sel], pad_to_multiple_of, pad_token_id,
         ))  # fmt: skip
-    return out
+    recompute = recompute_plan(np.diff(bounds), np.array([mb.chunk.last_reader for mb in out]),
+                               capacity if max_kept is None else max_kept)
+    return [dataclasses.replace(mb, chunk=dataclasses.replace(mb.chunk, recompute=True)) if flag else mb
+            for mb, flag in zip(out, recompute.tolist())]
 
 
 def _chunk_micro_batch(ids, tokens, depth, own_end, context_end, export, chunk, seq_of, pos, slots, is_last, labels,

@@ -54,6 +54,8 @@ class PackingStats:
     original_tokens   tokens of the sequences before sharing.
     tree_tokens       unique tokens actually computed (sum over micro-batches).
     tree_token_ratio  tree_tokens / original_tokens (lower is better; 1.0 = no sharing).
+    recomputed_tokens tokens of chunks that run their forward a second time, right before their backward
+                      (``TreeChunk.recompute``; ``MicroBatchSpec.max_kept_tokens``); not in ``tree_tokens``.
     padded_tokens     slots including padding; wasted_tokens = padded - tree.
     balance           BalanceStats of tree tokens per micro-batch against max_tokens_per_mb.
     """
@@ -63,6 +65,7 @@ class PackingStats:
     original_tokens: int
     tree_tokens: int
     tree_token_ratio: float
+    recomputed_tokens: int
     padded_tokens: int
     wasted_tokens: int
     balance: BalanceStats
@@ -78,6 +81,7 @@ class PackingStats:
             original_tokens=original,
             tree_tokens=tree,
             tree_token_ratio=tree / original if original else 1.0,
+            recomputed_tokens=sum(mb.num_tokens for mb in mbs if mb.chunk is not None and mb.chunk.recompute),
             padded_tokens=padded,
             wasted_tokens=padded - tree,
             balance=BalanceStats.of([mb.num_tokens for mb in mbs], max_tokens_per_mb),

@@ -46,6 +46,8 @@ class TreeChunk:
     carried      the context slots that are the parent of one of this chunk's own slots, root first (distinct):
                  ``(earlier chunk index, i)`` pairs, each the i-th of that chunk's ``state_exports``; recurrent
                  layers start the own slots hanging from them from what that chunk kept.
+    recompute    the chunk keeps only its exported keys and values (and recurrent states) while it waits for its
+                 readers, and runs its forward again right before its backward (``chunks.recompute_plan``).
     """
 
     group: int
@@ -55,6 +57,7 @@ class TreeChunk:
     last_reader: int
     state_exports: tuple[int, ...] = ()
     carried: tuple[tuple[int, int], ...] = ()
+    recompute: bool = False
 
     @property
     def context_len(self) -> int:

@@ -28,6 +28,13 @@ class MicroBatchSpec:
                        such a tree is split at branch points, each part recomputing the path above it,
                        and a sequence longer than a micro-batch is refused. Chunks run through
                        ``tree_forward_backward`` / ``tree_forward_only`` without pipeline or context parallel.
+    max_kept_tokens    with ``chunk_trees``: the most slots of activations that chunks waiting for a later
+                       chunk's backward keep (a chunk's backward follows those of the chunks that read its keys
+                       and values). Beyond that, the waiting chunks keep only their exported keys and values and
+                       run their forward once more right before their backward. Training memory: one chunk's
+                       activations, plus at most this many slots', plus the waiting chunks' exported keys and
+                       values. None: ``max_tokens_per_mb``; 0: the least memory; more than the largest tree: no
+                       recomputation. Forward-only steps never keep activations.
     """
 
     max_tokens_per_mb: int
@@ -36,10 +43,14 @@ class MicroBatchSpec:
     granularity: int = 1
     packing_algorithm: str = "ffd"
     chunk_trees: bool = False
+    max_kept_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_trees, bool):
             raise ValueError(f"MicroBatchSpec.chunk_trees must be a bool, got {self.chunk_trees!r}")
+        kept = self.max_kept_tokens
+        if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 0):
+            raise ValueError(f"MicroBatchSpec.max_kept_tokens must be None or an int >= 0, got {kept!r}")
         for name in ("max_tokens_per_mb", "n_mbs", "n_mbs_divisor", "granularity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -24,7 +24,8 @@ larger than ``max_tokens_per_mb`` (a tree, or the trees one granule keeps togeth
 of *chunks* (:func:`build_chunks`): its DFS slot range cut into contiguous ranges of half to all of the
 capacity where they export the fewest keys and values to later chunks, each a micro-batch whose queries
 also attend to its context, the ancestors of its first slot computed by earlier chunks. No token is
-computed twice.
+computed twice, except the forwards of chunks that wait for later readers beyond ``max_kept_tokens``
+(:func:`~megatron_tree.core.chunks.recompute_plan`), run once more right before their backward.
 The chunks of a tree follow the bins' micro-batches, consecutively, and count as one micro-batch
 (one step of Megatron's schedule) for ``n_mbs``, ``n_mbs_divisor`` and the data-parallel count.
 """
@@ -102,7 +103,8 @@ def pack_trees(
         out.append(build_micro_batch(seqs, ids, pad_to_multiple_of, pad_token_id, share_prefixes))
     for group, it in enumerate(big):
         ids = sorted(int(s) for s in items[it])
-        out.extend(build_chunks(seqs, ids, cap, group, pad_to_multiple_of, pad_token_id, share_prefixes))
+        out.extend(build_chunks(seqs, ids, cap, group, pad_to_multiple_of, pad_token_id, share_prefixes,
+                                spec.max_kept_tokens))
     return out
 
 

@@ -15,8 +15,16 @@ and returns the first chunk's output, whose backward megatron-core then runs las
 reports the loss sums and counts of all chunks (Megatron divides by the global count, so per-token
 normalisation is exact). Forward-only, chunks are dropped as soon as their readers have run.
 
+A chunk marked ``recompute`` (``TreeChunk.recompute``, :func:`megatron_tree.core.chunks.recompute_plan`) runs its
+first forward without a graph: it keeps only its exported keys and values (the leaves its readers read and
+accumulate gradients into). Right before its backward it runs the forward again with the random-number states of
+the first (dropout draws the same), finds the same leaves, and backpropagates its loss and the gradients they
+accumulated. MoE router statistics are gathered where a graph is built (megatron-core's routers skip them without
+grad), so once per chunk, in the second forward.
+
 Memory: the stack holds the chunks whose readers are still to come, each with its graph (under full
-activation recompute only its layer inputs, ``[T, h]`` per layer) and its exported keys and values
+activation recompute only its layer inputs, ``[T, h]`` per layer; none when marked ``recompute``) and its exported
+keys and values
 (``E x 2 x ng x hn`` per attention layer, E <= its depth) plus their gradients; in a Gated DeltaNet layer the
 recurrent states and conv windows at its state exports (``Q x (Hv x dk x dv + (K - 1) x D)``, Q the parents of
 later chunks' slots: one for a chain, one per branch point that later chunks hang from); beyond the stack, one chunk's
@@ -26,7 +34,7 @@ samples keeps the prompt's chunks and one sample's.
 Expert parallel: EP ranks exchange tokens in every forward and backward, so every rank must run the
 same sequence of them. There every step runs its chunks' forwards, then their backwards in reverse
 (``uniform``), padded with empty chunks to the largest chunk count of that step on any rank: the
-stack is the whole tree.
+stack is the whole tree, and a chunk is recomputed where it is on any rank (``ChunkedTree.recompute``).
 """
 
 from __future__ import annotations
@@ -44,22 +52,32 @@ from megatron_tree.mcore.chunk_context import ChunkLink, drop_chunk_link, regist
 __all__ = ["ChunkedTree", "release_chunks", "run_chunked_tree", "schedule_steps"]
 
 
-FORWARD_RANGE, BACKWARD_RANGE = "megatron_tree.chunk_forward", "megatron_tree.chunk_backward"
-"""``torch.profiler`` ranges around each chunk's forward and the backwards this module runs (all but the first
-chunk's, which megatron-core runs)."""
+FORWARD_RANGE, RECOMPUTE_RANGE = "megatron_tree.chunk_forward", "megatron_tree.chunk_recompute"
+BACKWARD_RANGE = "megatron_tree.chunk_backward"
+"""``torch.profiler`` ranges around each chunk's forward, the second forward of a chunk marked ``recompute``, and
+the backwards this module runs (all but the first chunk's, which megatron-core runs)."""
 
 
 @dataclass(frozen=True)
 class ChunkedTree:
     """One schedule step: the chunks of one tree in DFS order (micro-batches on the model's device).
 
-    uniform  all forwards, then all backwards in reverse (expert parallel; module docstring).
-    last     this is the schedule's last step (DDP's overlapped gradient reduction starts after it).
+    uniform    all forwards, then all backwards in reverse (expert parallel; module docstring).
+    last       this is the schedule's last step (DDP's overlapped gradient reduction starts after it).
+    recompute  per chunk, whether it runs its forward again before its backward (module docstring); None: as
+               each chunk's ``TreeChunk.recompute`` says.
     """
 
     chunks: list[TreeMicroBatch]
     uniform: bool = False
     last: bool = False
+    recompute: tuple[bool, ...] | None = None
+
+    def recomputed(self) -> list[bool]:
+        """Whether each chunk runs its forward again before its backward."""
+        if self.recompute is not None:
+            return list(self.recompute)
+        return [mb.chunk is not None and mb.chunk.recompute for mb in self.chunks]
 
 
 def schedule_steps(mbs: list[TreeMicroBatch]) -> list[TreeMicroBatch | list[TreeMicroBatch]]:
@@ -98,8 +116,22 @@ def run_chunked_tree(
     pending: dict[int, torch.Tensor] = {}  # chunk -> loss whose backward is to come
     counts, reports, collected = [], [], []
     root = None
+    again = [train and not collect and flag for flag in item.recomputed()]
+    rng: dict[int, tuple] = {}  # chunk to run again -> the random-number states its first forward started from
+
+    def losses(c: int, output: torch.Tensor) -> None:
+        loss, count, report = loss_func_for(item.chunks[c])(output)
+        pending[c] = loss
+        counts.append(count)
+        reports.append(report["loss"])
+
+    def rerun(c: int) -> torch.Tensor:
+        with _started_from(rng.pop(c)), torch.profiler.record_function(RECOMPUTE_RANGE):
+            return forward(item.chunks[c], masks[c])
 
     def backward(c: int) -> None:
+        if c in rng:
+            losses(c, rerun(c))
         if train and c in pending:
             _backward(pending.pop(c), config, item.last)
         drop_chunk_link(masks[c])
@@ -113,25 +145,26 @@ def run_chunked_tree(
         masks.append(mask)
         _HELD.append(mask)
         register_chunk_link(mask, links[-1])
-        with torch.profiler.record_function(FORWARD_RANGE):
+        if again[c]:
+            rng[c] = _random_states()
+        with torch.profiler.record_function(FORWARD_RANGE), torch.no_grad() if again[c] else contextlib.nullcontext():
             output = forward(mb, mask)
-        loss_func = loss_func_for(mb)
-        if c == 0:
-            root = (output, loss_func)
+        if again[c]:  # its losses come from the second forward
+            pass
+        elif c == 0:
+            root = output
         elif collect:
-            collected.append(loss_func(output, non_loss_data=True))
+            collected.append(loss_func_for(mb)(output, non_loss_data=True))
         else:
-            loss, count, report = loss_func(output)
-            pending[c] = loss
-            counts.append(count)
-            reports.append(report["loss"])
+            losses(c, output)
         del output
         stack.append(c)
         while not item.uniform and len(stack) > 1 and _readers_done(item.chunks[stack[-1]], c):
             backward(stack.pop())
     while len(stack) > 1:
         backward(stack.pop())
-    output, first = root
+    output = rerun(0) if 0 in rng else root
+    first = loss_func_for(item.chunks[0])
 
     def loss_func(output: torch.Tensor, non_loss_data: bool = False):
         if non_loss_data:
@@ -166,6 +199,34 @@ def _recurrent_link(info: TreeChunk, links: list[ChunkLink], device: torch.devic
 def _readers_done(mb: TreeMicroBatch, current: int) -> bool:
     """Whether every chunk that reads ``mb``'s exported keys and values has run (forward and backward)."""
     return mb.chunk is None or mb.chunk.last_reader <= current
+
+
+def _random_states() -> tuple:
+    """The random-number states now: torch's CPU generator, the current CUDA device's (None without CUDA) and
+    megatron-core's CUDA tracker's (dropout inside tensor-parallel regions)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
+
+
+@contextlib.contextmanager
+def _started_from(states: tuple):
+    """Run the body from the random-number states ``states`` (:func:`_random_states`), then restore those it found."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    def put(cpu, cuda, tracker):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        get_cuda_rng_tracker().set_states(tracker)
+
+    found = _random_states()
+    put(*states)
+    try:
+        yield
+    finally:
+        put(*found)
 
 
 def _backward(loss: torch.Tensor, config, last: bool) -> None:

@@ -94,7 +94,7 @@ def tree_data_iterators(
     pad_to: int | None = None,
     pad_multiple: int = 1,
     cp: tuple[int, int] | None = None,
-    chunk_counts: list[int] | None = None,
+    uniform_chunks: list[tuple[bool, ...]] | None = None,
 ) -> Iterator | list[Iterator]:
     """Data iterator(s) for ``forward_backward_func``: one over ``mbs`` per model chunk
     (a plain iterator when there is one chunk). ``pad_to`` pads every micro-batch to that
@@ -103,8 +103,8 @@ def tree_data_iterators(
     needs a multiple of ``cp * CP_CHUNKS``). Items are the micro-batches, or with ``cp = (rank,
     size)`` pairs ``(micro-batch, its ContextParallelShard for this rank)``; the chunks of a tree
     larger than a micro-batch are one item, a :class:`~megatron_tree.mcore.chunk_schedule.ChunkedTree`.
-    ``chunk_counts`` (expert parallel): every item is a ``ChunkedTree`` run uniformly, padded with empty
-    chunks to that many (per item)."""
+    ``uniform_chunks`` (expert parallel), per item: every item is a ``ChunkedTree`` run uniformly, padded with
+    empty chunks to as many as the tuple holds, whose flags say which chunks run their forward again."""
 
     def ready(mb: TreeMicroBatch) -> TreeMicroBatch:
         return mb.padded_to(_padded_length(mb, pad_to, pad_multiple)).to(device)
@@ -113,10 +113,11 @@ def tree_data_iterators(
     moved = []
     for i, step in enumerate(steps):
         last = i == len(steps) - 1
-        if chunk_counts is not None:
+        if uniform_chunks is not None:
             chunks = step if isinstance(step, list) else [step]
-            chunks = chunks + [build_micro_batch([], []) for _ in range(chunk_counts[i] - len(chunks))]
-            moved.append(ChunkedTree([ready(mb) for mb in chunks], uniform=True, last=last))
+            chunks = chunks + [build_micro_batch([], []) for _ in range(len(uniform_chunks[i]) - len(chunks))]
+            moved.append(ChunkedTree([ready(mb) for mb in chunks], uniform=True, last=last,
+                                     recompute=uniform_chunks[i]))
         elif isinstance(step, list):
             moved.append(ChunkedTree([ready(mb) for mb in step], last=last))
         else:
@@ -584,7 +585,8 @@ def _run_schedule(
             )
         if fixed:
             length = longest
-    chunk_counts = _chunk_counts(mbs, device) if expert_parallel else None    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks; context parallel
+    uniform_chunks = _uniform_chunks(mbs, device) if expert_parallel else None
+    # Sequence parallel splits every micro-batch's slots evenly over the TP ranks; context parallel
     # cuts them into cp * CP_CHUNKS equal chunks.
     multiple = schedule_slot_multiple(chunks[0])
     length = padded_slots(length, multiple)
@@ -605,7 +607,7 @@ def _run_schedule(
         )  # fmt: skip
         data_iterator = tree_data_iterators(
             mbs, len(chunks), device=device, pad_to=pad_to, pad_multiple=multiple,
-            cp=(parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None, chunk_counts=chunk_counts,
+            cp=(parallel_state.get_context_parallel_rank(), cp) if cp > 1 else None, uniform_chunks=uniform_chunks,
         )  # fmt: skip
     try:
         out = get_forward_backward_func()(
@@ -643,9 +645,15 @@ def _check_chunks_runnable(chunked: list[TreeMicroBatch], *, pp: int, cp: int, t
         )
 
 
-def _chunk_counts(mbs: Sequence[TreeMicroBatch], device: torch.device) -> list[int] | None:
-    """Under expert parallel: the most chunks each schedule step has on any rank (one MAX all-reduce over the
-    world; the step counts are equal), or None when no rank has a chunked tree."""
-    counts = [len(s) if isinstance(s, list) else 1 for s in schedule_steps(list(mbs))]
-    most = _all_reduce_max(counts, device)
-    return most if max(most) > 1 else None
+def _uniform_chunks(mbs: Sequence[TreeMicroBatch], device: torch.device) -> list[tuple[bool, ...]] | None:
+    """Under expert parallel, per schedule step: for each chunk of the rank with the most, whether it runs its forward
+    again on any rank (``TreeChunk.recompute``; two MAX all-reduces over the world, the step counts being equal); None
+    when no rank has a chunked tree."""
+    steps = [s if isinstance(s, list) else [s] for s in schedule_steps(list(mbs))]
+    most = _all_reduce_max([len(s) for s in steps], device)
+    if max(most) == 1:
+        return None
+    flags = [[mb.chunk is not None and mb.chunk.recompute for mb in s] + [False] * (n - len(s))
+             for s, n in zip(steps, most)]
+    anywhere = iter(_all_reduce_max([int(f) for step in flags for f in step], device))
+    return [tuple(bool(next(anywhere)) for _ in range(n)) for n in most]

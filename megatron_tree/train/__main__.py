@@ -45,6 +45,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--max-tokens-per-mb": ("micro_batch.max_tokens_per_mb", {}),
     "--packing-algorithm": ("micro_batch.packing_algorithm", {"choices": list(PACKING_ALGORITHMS)}),
     "--chunk-trees": ("micro_batch.chunk_trees", {}),
+    "--max-kept-tokens": ("micro_batch.max_kept_tokens", {}),
     "--data-path": ("data.path", {"metavar": "FILE"}),
     "--batch-size": ("data.batch_size", {}),
     "--steps": ("train.steps", {}),
@@ -98,6 +99,9 @@ MICRO_BATCH_HELP = {
     "packing_algorithm": ("packing of trees into micro-batches: ffd (first-fit decreasing) | kk (Karmarkar-Karp)", "ffd"),
     "chunk_trees": ("a tree larger than a micro-batch runs in chunks that read their ancestors' keys and values or "
                     "recurrent states (every token computed once, any sequence length; pipeline and context parallel size 1, else off)", True),
+    "max_kept_tokens": ("with --chunk-trees: the most slots of activations kept by chunks waiting for later chunks' "
+                        "backwards; the others keep only their exported keys and values and run their forward again "
+                        "before their backward (0: the least memory; null: max_tokens_per_mb)", None),
 }
 
 
@@ -110,7 +114,7 @@ def _field(key: str) -> tuple[str, Any, type]:
     section, name = key.split(".")
     if section == "micro_batch":
         help_text, default = MICRO_BATCH_HELP[name]
-        return help_text, default, type(default)
+        return help_text, default, int if default is None else type(default)
     klass = SECTIONS[section]
     f = {f.name: f for f in dataclasses.fields(klass)}[name]
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -256,7 +256,8 @@ def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s
 
     device = "cuda" if cuda else "cpu"
     stats = PackingStats.of(mbs, spec.max_tokens_per_mb)
-    tokens = torch.tensor([stats.original_tokens, stats.tree_tokens], dtype=torch.float64, device=device)
+    tokens = torch.tensor([stats.original_tokens, stats.tree_tokens, stats.recomputed_tokens], dtype=torch.float64,
+                          device=device)
     peak = torch.tensor([peak_memory_gib(cuda)], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dp_group = ps.get_data_parallel_group()
@@ -264,7 +265,7 @@ def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s
     dist.all_gather(per_rank, torch.tensor([len(mbs), stats.tree_tokens], dtype=torch.float64, device=device),
                     group=dp_group)
     dist.all_reduce(tokens, group=dp_group)
-    original, tree = tokens.tolist()
+    original, tree, recomputed = tokens.tolist()
     rank_tokens = [sum(len(seqs[i]) for i in idx) for idx in shares]
     return dict(
         step=step,
@@ -279,6 +280,7 @@ def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s
         original_tokens=int(original),
         tree_tokens=int(tree),
         tree_token_ratio=tree / original,
+        recomputed_tokens=int(recomputed),
         micro_batches=len(mbs),
         mb_imbalance=stats.balance.imbalance,
         mb_utilisation=stats.balance.utilisation,

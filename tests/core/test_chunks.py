@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from forests import any_batch
 from megatron_tree import MicroBatchSpec, build_forest, pack_trees
+from megatron_tree.core.chunks import recompute_plan
 from megatron_tree.core.masks import dense_tree_mask
 from megatron_tree.core.metrics import PackingStats
 from megatron_tree.core.tree import as_sequences
@@ -168,3 +169,19 @@ def test_granules_and_chains_larger_than_a_micro_batch_run_in_chunks(seqs, cap, 
         for sid in mb.sequence_ids:
             assert step == next((m.chunk.group, -1) if m.chunk else (-1, id(m)) for m in mbs
                                 if any(s // granularity == sid // granularity for s in m.sequence_ids))
+
+
+def test_recompute_plan_recomputes_the_chunks_released_last_until_the_rest_fit():
+    """Chunk 0 is read by every later chunk, chunks 1 and 2 by chunk 3: during chunk 3's forward chunks 0-2 wait
+    (5 + 10 + 16 slots). With 20 kept slots, chunk 0 (released last) and then chunk 2 (the larger of the two
+    released next) run again; chunk 3, read by nobody, never waits."""
+    slots, last_reader = np.array([5, 10, 16, 4]), np.array([3, 3, 3, 3])
+    assert recompute_plan(slots, last_reader, 20).tolist() == [True, False, True, False]
+    assert recompute_plan(slots, last_reader, 31).tolist() == [False] * 4
+    assert recompute_plan(slots, last_reader, 0).tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "8"])
+def test_bad_max_kept_tokens_is_refused(value):
+    with pytest.raises(ValueError, match="max_kept_tokens must be None or an int >= 0"):
+        MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=True, max_kept_tokens=value)

@@ -3,7 +3,9 @@
 Micro-batches of 16 slots, every sequence 40-200 tokens: every sequence spans several chunks, every chunk
 reads a context from earlier ones. Log-probs (``tree_forward_only``) and parameter gradients
 (``tree_forward_backward``) equal each sequence run alone through the upstream model (1e-5); the same with
-the injected context gradients dropped is far off (the check can fail). Hybrid Gated DeltaNet models (Qwen3.5,
+the injected context gradients dropped is far off (the check can fail). Chunks waiting for their readers keep
+their activations up to ``max_kept_tokens`` (16 by default here, 0, or all); the others run their forward again
+before their backward: exact either way. Hybrid Gated DeltaNet models (Qwen3.5,
 Qwen3-Next) the same on a smaller batch, and equal the whole tree in one micro-batch; zeroed carried recurrent
 states are far off.
 """
@@ -61,20 +63,34 @@ def checkpoints(tmp_path_factory, cpu_megatron):
     return {arch: save_tiny_hf_checkpoint(arch, root / arch) for arch in ("qwen3", "qwen3_moe", "deepseek_v3")}
 
 
+def chunked(seqs, max_kept=None):
+    """``seqs`` in chunks of CAPACITY slots; the chunks waiting for their readers keep at most ``max_kept`` slots of
+    activations (None: CAPACITY), the others run their forward again before their backward."""
+    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=CAPACITY, chunk_trees=True, max_kept_tokens=max_kept))
+    assert all(mb.num_tokens <= CAPACITY for mb in mbs) and sum(mb.chunk is not None for mb in mbs) == len(mbs)
+    assert any(mb.chunk.recompute for mb in mbs) == (max_kept != KEEP_ALL)
+    return mbs
+
+
+KEEP_ALL = 10**6
+
+
 @pytest.fixture(scope="module")
 def batch():
     seqs = long_branching_batch()
-    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=CAPACITY, chunk_trees=True))
     assert min(map(len, seqs)) > 2 * CAPACITY
-    assert all(mb.num_tokens <= CAPACITY for mb in mbs) and sum(mb.chunk is not None for mb in mbs) == len(mbs)
-    return seqs, mbs
+    return seqs, chunked(seqs)
 
 
-@pytest.mark.parametrize("arch,recompute", [("qwen3", "none"), *(pytest.param(*case, marks=pytest.mark.slow) for case in
-                                            [("qwen3", "full"), ("qwen3", "selective"), ("qwen3_moe", "full"),
-                                             ("deepseek_v3", "full")])])
-def test_chunked_tree_equals_each_sequence_alone(arch, recompute, checkpoints, batch):
-    seqs, mbs = batch
+@pytest.mark.parametrize("arch,recompute,max_kept", [
+    ("qwen3", "none", None), ("qwen3", "none", KEEP_ALL),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("qwen3", "full", None), ("qwen3", "selective", 0), ("qwen3_moe", "full", None), ("qwen3_moe", "none", KEEP_ALL),
+        ("deepseek_v3", "full", 0)]),
+])  # fmt: skip
+def test_chunked_tree_equals_each_sequence_alone(arch, recompute, max_kept, checkpoints, batch):
+    seqs = batch[0]
+    mbs = chunked(seqs, max_kept)
     tree = build_model(checkpoints[arch], tree=True, recompute=recompute)[0].train()
     flat = build_model(checkpoints[arch], tree=False)[0].train()
     with torch.no_grad():
@@ -83,7 +99,8 @@ def test_chunked_tree_equals_each_sequence_alone(arch, recompute, checkpoints, b
     weighted_sum(want).backward()
     lp_err = max_diff(dict(enumerate(lp)), want)
     grad_err = relative_grad_error(chunked_step(tree, mbs, seqs), param_grads(flat))
-    print(f"{arch}/{recompute}: {len(mbs)} chunks of <= {CAPACITY} slots: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
+    print(f"{arch}/{recompute}/max_kept={max_kept}: {len(mbs)} chunks of <= {CAPACITY} slots, "
+          f"{sum(mb.chunk.recompute for mb in mbs)} run again: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
     assert lp_err < TOL and grad_err < TOL
 
 
@@ -93,11 +110,11 @@ def gdn_checkpoints(tmp_path_factory, cpu_megatron):
     return {arch: save_tiny_hf_checkpoint(arch, root / arch) for arch in GDN_SEEDS}
 
 
-def gdn_micro_batches(seed: int):
-    """(sequences, their chunks of <= CAPACITY slots, the whole trees in one micro-batch)."""
+def gdn_micro_batches(seed: int, max_kept: int | None = None):
+    """(sequences, their chunks of <= CAPACITY slots (``chunked``), the whole trees in one micro-batch)."""
     seqs = gdn_chunk_batch(seed)
-    mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=CAPACITY, chunk_trees=True))
-    assert min(map(len, seqs)) > CAPACITY and all(mb.chunk is not None for mb in mbs)
+    mbs = chunked(seqs, max_kept)
+    assert min(map(len, seqs)) > CAPACITY
     assert any(len(mb.chunk.carried) > 1 for mb in mbs)  # a chunk starting slots from two earlier branch points
     return seqs, mbs, pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4096))
 
@@ -132,16 +149,18 @@ def gdn_errors(tree, flat, path, seqs, mbs, whole) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize("arch,recompute", [("qwen3_5", "none"), pytest.param("qwen3_next", "full",
-                                                                                marks=pytest.mark.slow)])
-def test_gated_delta_net_chunks_equal_each_sequence_alone(arch, recompute, gdn_checkpoints):
+@pytest.mark.parametrize("arch,recompute,max_kept", [
+    ("qwen3_5", "none", None), pytest.param("qwen3_5", "none", KEEP_ALL, marks=pytest.mark.slow),
+    pytest.param("qwen3_next", "full", None, marks=pytest.mark.slow),
+])  # fmt: skip
+def test_gated_delta_net_chunks_equal_each_sequence_alone(arch, recompute, max_kept, gdn_checkpoints):
     """Qwen3.5 (3 GDN layers, 1 attention layer) and Qwen3-Next (its MoE too) in chunks of 16 slots."""
-    seqs, mbs, whole = gdn_micro_batches(GDN_SEEDS[arch])
+    seqs, mbs, whole = gdn_micro_batches(GDN_SEEDS[arch], max_kept)
     tree = build_model(gdn_checkpoints[arch], tree=True, recompute=recompute)[0].train()
     flat = build_model(gdn_checkpoints[arch], tree=False)[0].train()
     errors = gdn_errors(tree, flat, gdn_checkpoints[arch], seqs, mbs, whole)
-    print(f"{arch}/{recompute}: {len(mbs)} chunks of <= {CAPACITY} slots: " + ", ".join(f"{k} {v:.3g}" for k, v in
-                                                                                       errors.items()))
+    print(f"{arch}/{recompute}/max_kept={max_kept}: {len(mbs)} chunks of <= {CAPACITY} slots: " +
+          ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
     assert all(errors[k] < GDN_TOL[k] for k in GDN_TOL), errors
 
 
@@ -241,12 +260,31 @@ def piece_rows_step(model, seqs, mbs):
         seq_length=max(map(len, seqs)), micro_batch_size=1, forward_only=False))
 
 
+def graph_order(mbs):
+    """The chunks of ``mbs`` in the order the chunk driver builds their graphs, where the router statistics are
+    gathered: in forward order, but a chunk marked ``recompute`` at its second forward, right before its backward
+    (when the stack pops it; the first chunk after all others)."""
+    order = []
+    for start in [i for i, mb in enumerate(mbs) if mb.chunk.index == 0]:
+        chunks = mbs[start : start + mbs[start].chunk.size]
+        stack = []
+        for c, mb in enumerate(chunks):
+            order += [] if mb.chunk.recompute else [start + c]
+            stack.append(c)
+            while len(stack) > 1 and chunks[stack[-1]].chunk.last_reader <= c:
+                popped = stack.pop()
+                order += [start + popped] if chunks[popped].chunk.recompute else []
+        order += [start] if chunks[0].chunk.recompute else []
+    return order
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,case", [("qwen3_moe", "all"), ("qwen3_moe", "z_loss"), ("qwen3_next", "all")])
 def test_chunked_router_statistics_equal_the_flat_step_with_the_same_grouping(arch, case, request):
     """MoE aux / seq-aux / global-aux losses and z-loss with large coefficients: the chunked step's loss, gradients,
-    logged values and router token counts equal the flat step whose micro-batch c holds chunk c's sequence parts
-    (Qwen3-Next: its Gated DeltaNet layers carrying their states across the chunks, on the GDN batch)."""
+    logged values and router token counts equal the flat step whose micro-batches hold the chunks' sequence parts,
+    in the order the chunks build their graphs (``global_aux_loss`` mixes each micro-batch with the step's running
+    counts) (Qwen3-Next: its Gated DeltaNet layers carrying their states across the chunks, on the GDN batch)."""
     from scripts.router_stats_parity import build, compare, tree_step
 
     if arch in GDN_SEEDS:
@@ -256,7 +294,8 @@ def test_chunked_router_statistics_equal_the_flat_step_with_the_same_grouping(ar
         seqs, mbs = request.getfixturevalue("batch")
         path = request.getfixturevalue("checkpoints")[arch]
     got = tree_step(build(path, case), mbs)
-    want = piece_rows_step(build(path, case, tree=False), seqs, mbs)
+    assert any(mb.chunk.recompute for mb in mbs) and graph_order(mbs) != list(range(len(mbs)))
+    want = piece_rows_step(build(path, case, tree=False), seqs, [mbs[i] for i in graph_order(mbs)])
     errors = compare(got, want)
     print(f"{arch}/{case}: {errors}")
     # Qwen3-Next's gradients: its recurrent layers' fp32 rounding (GDN_TOL; 1.3e-5 measured, the statistics 2e-7)

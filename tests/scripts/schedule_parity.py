@@ -182,7 +182,8 @@ def main():
         print(
             f"PARITY rank={rank} tree_mbs={len(tree_mbs)} flat_mbs={len(flat_mbs)} loss={tree_loss:.7f} "
             f"flat_loss={flat_loss:.7f} loss_rel={loss_rel:.3e} grad_rel={grad_rel:.3e} "
-            f"tree_tokens={sum(m.num_tokens for m in tree_mbs)} flat_tokens={sum(m.num_tokens for m in flat_mbs)}",
+            f"tree_tokens={sum(m.num_tokens for m in tree_mbs)} flat_tokens={sum(m.num_tokens for m in flat_mbs)} "
+            f"run_again={[(m.chunk.group, m.chunk.index) for m in tree_mbs if m.chunk and m.chunk.recompute]}",
             flush=True,
         )
         # With Transformer Engine, also the flat path Megatron users run: the upstream model, each

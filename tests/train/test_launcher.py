@@ -582,18 +582,25 @@ def test_ppo_epochs_move_the_ratio_off_one(tmp_path, loss):
 @pytest.mark.parametrize("loss", ["grpo", "ppo"])
 def test_micro_batches_smaller_than_every_sequence_train_the_same_steps(tmp_path, loss):
     """``--max-tokens-per-mb 16`` (every sequence is longer; refused before chunked trees): the trees run in chunks
-    and the steps' losses, gradient norms and tree-token ratio are those of micro-batches that hold whole trees."""
+    and the steps' losses, gradient norms and tree-token ratio are those of micro-batches that hold whole trees; the
+    same with ``--max-kept-tokens 0`` (every chunk that later chunks read runs its forward again: more
+    ``recomputed_tokens`` than at the default, 16)."""
     logs = {}
-    for cap in ("256", "16"):
-        logs[cap] = tmp_path / f"{cap}.jsonl"
+    for name, extra in (("256", ["--max-tokens-per-mb", "256"]), ("16", ["--max-tokens-per-mb", "16"]),
+                        ("16-kept-0", ["--max-tokens-per-mb", "16", "--max-kept-tokens", "0"])):
+        logs[name] = tmp_path / f"{name}.jsonl"
         argv = ["--config", "configs/tiny_qwen3.yaml", "--steps", "2", "--batch-size", "2", "--no-progress",
-                "--loss", loss, "--max-tokens-per-mb", cap, "--log-jsonl", str(logs[cap])]
+                "--loss", loss, *extra, "--log-jsonl", str(logs[name])]
         assert main(argv) == 0
-    whole, chunked = records(logs["256"]), records(logs["16"])
+    whole = records(logs["256"])
+    chunked, least = records(logs["16"]), records(logs["16-kept-0"])
     assert all(r["micro_batches"] > 2 * w["micro_batches"] for r, w in zip(chunked, whole))
+    assert all(w["recomputed_tokens"] == 0 < r["recomputed_tokens"] < m["recomputed_tokens"]
+               for w, r, m in zip(whole, chunked, least))
     for key in ("loss", "grad_norm", "tree_token_ratio", "tree_tokens", "original_tokens"):
-        for r, w in zip(chunked, whole):
-            assert r[key] == pytest.approx(w[key], rel=1e-5), (key, r[key], w[key])
+        for r, m, w in zip(chunked, least, whole):
+            assert r[key] == pytest.approx(w[key], rel=1e-5) and m[key] == pytest.approx(w[key], rel=1e-5), (
+                key, r[key], m[key], w[key])
     refused = tmp_path / "refused.jsonl"
     assert main(["--config", "configs/tiny_qwen3.yaml", "--steps", "1", "--no-progress", "--max-tokens-per-mb", "16",
                  "--no-chunk-trees", "--log-jsonl", str(refused)]) == 1
