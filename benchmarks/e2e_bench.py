@@ -53,7 +53,7 @@ from attention_bench import tree_pairs
 from step_profile import OPTIMIZER_REGION, profile_step
 from transformers import AutoConfig
 
-from megatron_tree import MicroBatchSpec, build_forest, pack_trees
+from megatron_tree import MicroBatchSpec, PackingStats, build_forest, pack_trees
 from megatron_tree.ops.losses import sft_loss
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 from megatron_tree.core.tree import as_sequences
@@ -315,6 +315,9 @@ def main():
     ap.add_argument("--chunk-trees", action=argparse.BooleanOptionalAction, default=False,
                     help="tree steps: a tree larger than a micro-batch runs in chunks that read their ancestors' keys "
                          "and values (MicroBatchSpec(chunk_trees=True); every unique token computed once)")
+    ap.add_argument("--max-kept-tokens", type=int,
+                    help="with --chunk-trees: MicroBatchSpec.max_kept_tokens (default max_tokens_per_mb); chunks "
+                         "beyond it run their forward again before their backward (recomputed_tokens in the row)")
     ap.add_argument("--flat-max-tokens-per-mb", type=int,
                     help="the flat steps' micro-batch capacity (default --max-tokens-per-mb); flat packing cannot "
                          "chunk, so it must hold the longest sequence")
@@ -331,7 +334,8 @@ def main():
     from megatron_tree.runtime import cpu_mode, save_hf_config
 
     arch, overrides = MODELS[args.model]
-    spec = MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk", chunk_trees=args.chunk_trees)
+    spec = MicroBatchSpec(max_tokens_per_mb=args.max_tokens_per_mb, packing_algorithm="kk", chunk_trees=args.chunk_trees,
+                          max_kept_tokens=args.max_kept_tokens)
     flat_spec = MicroBatchSpec(max_tokens_per_mb=args.flat_max_tokens_per_mb or args.max_tokens_per_mb,
                                packing_algorithm="kk")
     rows: dict[str, dict] = {}
@@ -384,6 +388,9 @@ def main():
                                  optimizer_s=statistics.median(optimizer_times), tokens_per_s=row["original_tokens"] / step_s,
                                  peak_mem_gib=peak, micro_batches=len(mbs), max_mb_slots=max(mb.num_slots for mb in mbs),
                                  computed_tokens=computed_tokens, computed_pairs=computed_pairs,
+                                 recomputed_tokens=PackingStats.of(mbs).recomputed_tokens,
+                                 recomputed_pairs=float(sum(chunk_pairs(mb) for mb in mbs
+                                                            if mb.chunk is not None and mb.chunk.recompute)),
                                  tflops_per_s=flops / step_s / 1e12)
                 if args.profile:
                     row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))
@@ -431,14 +438,18 @@ def workload_row(args, name: str, seqs, per_token: float, per_pair: float, basel
                 flops_flat=flops_flat, flops_tree=flops_tree, flop_ideal_speedup=flops_flat / flops_tree,
                 max_tokens_per_mb=args.max_tokens_per_mb, recompute=args.recompute,
                 attention_backend=args.attention_backend, chunk_trees=args.chunk_trees,
+                max_kept_tokens=args.max_kept_tokens,
                 flat_max_tokens_per_mb=args.flat_max_tokens_per_mb or args.max_tokens_per_mb)
 
 
 def finish_row(row: dict, per_token: float, per_pair: float) -> None:
     """Speedup, achieved fraction and the ideal of the trees as packed (a tree split over
-    micro-batches computes its shared prefix once per part): flat FLOPs / FLOPs of the packed trees."""
+    micro-batches computes its shared prefix once per part; a chunk run again adds its forward, a third of its forward
+    and backward): flat FLOPs / FLOPs of the packed trees."""
+    tree = row["tree"]
     row["packed_flop_ideal_speedup"] = row["flops_flat"] / (
-        per_token * row["tree"]["computed_tokens"] + per_pair * row["tree"]["computed_pairs"])
+        per_token * (tree["computed_tokens"] + tree["recomputed_tokens"] / 3)
+        + per_pair * (tree["computed_pairs"] + tree["recomputed_pairs"] / 3))
     row["speedup"] = row["flat"]["step_s"] / row["tree"]["step_s"]
     row["achieved_fraction_of_ideal"] = row["speedup"] / row["flop_ideal_speedup"]
 

@@ -1,5 +1,6 @@
 """benchmarks/chunk_memory.py counts the slots a chunked step keeps alive at once: on batches whose count follows from
-the chunk schedule's rule (a chunk stays until the chunks reading it have run their backwards)."""
+the chunk schedule's rule (a chunk stays until the chunks reading it have run their backwards; beyond
+``max_kept_tokens`` without its graph)."""
 
 import numpy as np
 from dist_utils import REPO_ROOT as REPO
@@ -7,11 +8,11 @@ from dist_utils import REPO_ROOT as REPO
 from megatron_tree import MicroBatchSpec, pack_trees
 
 
-def kept(seqs, cap, monkeypatch):
+def kept(seqs, cap, monkeypatch, max_kept=10**6):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from chunk_memory import kept_slots
 
-    chunks = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True))
+    chunks = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, max_kept_tokens=max_kept))
     assert all(mb.chunk for mb in chunks)
     return len(chunks), kept_slots(chunks)
 
@@ -23,8 +24,12 @@ def test_a_prompt_keeps_its_chunks_and_one_sample(monkeypatch):
     prompt = rng.integers(0, 50, 32).tolist()
     seqs = [prompt + [100 + i] + rng.integers(0, 50, 15).tolist() for i in range(6)]
     assert kept(seqs, 16, monkeypatch) == (8, 32 + 16)
+    assert kept(seqs, 16, monkeypatch, max_kept=16) == (8, 16 + 16)
+    assert kept(seqs, 16, monkeypatch, max_kept=0) == (8, 16)
 
 
 def test_a_chain_keeps_all_its_chunks(monkeypatch):
-    """One 40-token sequence: every chunk is read by the next, so all 3 stay until the last forward."""
+    """One 40-token sequence: every chunk is read by the next, so all 3 stay until the last forward; with 0 kept
+    slots only the chunk in flight has a graph."""
     assert kept([np.arange(40) + 1], 16, monkeypatch) == (3, 40)
+    assert kept([np.arange(40) + 1], 16, monkeypatch, max_kept=0) == (3, 16)
