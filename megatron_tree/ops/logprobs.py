@@ -96,13 +96,23 @@ def _chunk_grad_(x: torch.Tensor, terms: torch.Tensor, temperature: float) -> No
 
 @functools.cache
 def _compiled(fn):
-    return torch.compile(fn)
+    """``fn(x [c, V_l], per_row [c, ...], *constants)`` compiled once for every chunk length ``c``: the rows of both
+    tensors are marked dynamic before each call, so Dynamo's first compile is already the symbolic-length one
+    (unmarked, it compiles a static kernel first and a dynamic one at the first other length, the last chunk of the
+    first call: two cold Inductor compiles per kernel in the first step instead of one)."""
+    compiled = torch.compile(fn)
+
+    def run(x: torch.Tensor, per_row: torch.Tensor, *constants):
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        torch._dynamo.maybe_mark_dynamic(per_row, 0)
+        return compiled(x, per_row, *constants)
+
+    return run
 
 
 def _kernel(fn, device: torch.device):
     """``fn`` compiled into one fused kernel per chunk on CUDA (one read of the chunk, no fp32
-    copy in memory); eager elsewhere. The chunk length varies only in a call's last chunk,
-    which Dynamo's automatic dynamic shapes absorb after one recompile."""
+    copy in memory; :func:`_compiled`); eager elsewhere."""
     return _compiled(fn) if device.type == "cuda" else fn
 
 

@@ -174,3 +174,31 @@ def test_minus_inf_vocab_columns():
     assert (outs[0][0] - outs[1][0]).abs().max() < TOL and (outs[0][1] - outs[1][1]).abs().max() < TOL
     assert torch.isfinite(masked.grad).all() and torch.all(masked.grad[..., 11:] == 0)
     assert (masked.grad[..., :11] - base.grad).abs().max() < TOL
+
+
+@pytest.mark.parametrize("kernel", ["_chunk_sums", "_chunk_grad_"])
+def test_compiled_chunk_kernels_compile_once_for_every_chunk_length(monkeypatch, kernel):
+    """The CUDA path's compiled chunk kernels (``logprobs._compiled``): one Dynamo compile serves every chunk length
+    (the first step's cold start: otherwise a static compile, then a dynamic one at the call's last chunk), with the
+    eager values. Counted with Dynamo's own compile counter in place of Inductor, on the CPU."""
+    from torch._dynamo.testing import CompileCounter
+
+    from megatron_tree.ops import logprobs
+
+    counter, compile_ = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(fn, backend=counter, **kwargs))
+    torch._dynamo.reset()
+    fn = getattr(logprobs, kernel)
+    run = logprobs._compiled.__wrapped__(fn)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (96, 96, 37, 64, 96):
+        x = torch.randn(rows, 50, generator=gen)
+        per_row = torch.randn(rows, generator=gen) if kernel == "_chunk_sums" else torch.rand(rows, 2, generator=gen)
+        if kernel == "_chunk_sums":
+            got, want = run(x, per_row, 0.7, False)[0], fn(x, per_row, 0.7, False)[0]
+        else:
+            got, want = x.clone(), x.clone()
+            run(got, per_row, 0.7)
+            fn(want, per_row, 0.7)
+        torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1
