@@ -149,13 +149,11 @@ def run_chunked_tree(
             rng[c] = _random_states()
         with torch.profiler.record_function(FORWARD_RANGE), torch.no_grad() if again[c] else contextlib.nullcontext():
             output = forward(mb, mask)
-        if again[c]:  # its losses come from the second forward
-            pass
-        elif c == 0:
+        if c == 0 and not again[c]:
             root = output
         elif collect:
             collected.append(loss_func_for(mb)(output, non_loss_data=True))
-        else:
+        elif not again[c]:  # a chunk run again takes its losses from its second forward
             losses(c, output)
         del output
         stack.append(c)
