@@ -28,7 +28,7 @@ def records(path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Over two processes: the distributed optimizer (3 steps), the same overlapped (4 steps, saved after 2 and 4),
-    and that run resumed from its step-2 checkpoint."""
+    that run resumed from its step-2 checkpoint, and the overlapped run with trees in chunks of 16 slots."""
     tmp = tmp_path_factory.mktemp("dist_opt")
     test = "test_dp2_distributed_optimizer_equals_one_process"
     cases = {
@@ -36,6 +36,9 @@ def runs(tmp_path_factory):
                                      "--log-jsonl", f"{tmp}/dist.jsonl"]),
         "overlap": (test, 2, LAUNCHER, [*COMMON, *OVERLAP, "--steps", "4", "--save", f"{tmp}/overlap-ckpt",
                                         "--save-interval", "2", "--log-jsonl", f"{tmp}/overlap.jsonl"]),
+        "chunks": ("test_dp2_overlapped_chunks_equal_one_process", 2, LAUNCHER,
+                   [*COMMON, *OVERLAP, "--steps", "4", "--max-tokens-per-mb", "16",
+                    "--log-jsonl", f"{tmp}/chunks.jsonl"]),
         "resumed": ("test_distributed_optimizer_checkpoint_resumes_exactly", 2, LAUNCHER,
                     [*COMMON, *OVERLAP, "--steps", "4", "--load", f"{tmp}/overlap-ckpt/iter_0000002",
                      "--log-jsonl", f"{tmp}/resumed.jsonl"]),
@@ -75,6 +78,20 @@ def test_dp2_distributed_optimizer_equals_one_process(runs, request, one_process
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key, a[key], b[key])
         assert b["loss_tokens"] == a["loss_tokens"] and b["tree_tokens"] == a["tree_tokens"]
         assert b["dp_micro_batches"] == [2, 2] and a["micro_batches"] == 4
+
+
+@pytest.mark.multiprocess
+def test_dp2_overlapped_chunks_equal_one_process(runs, request, one_process):
+    """The overlapped DP = 2 run with every tree in chunks of 16 slots (each sequence is longer), the chunks beyond
+    ``max_kept_tokens`` (16) running their forward again under the weight all-gather's forward hooks and inside DDP's
+    no_sync: the one-process losses and gradient norms of whole trees, step after step."""
+    _, two = _records_of(runs, request, "chunks")
+    assert len(two) == 4
+    for a, b in zip(one_process, two):
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key, a[key], b[key])
+        assert b["tree_tokens"] == a["tree_tokens"] and b["recomputed_tokens"] > 0 == a["recomputed_tokens"]
+        assert sum(b["dp_micro_batches"]) > 4 * a["micro_batches"]
 
 
 @pytest.mark.multiprocess
