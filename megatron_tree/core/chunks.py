@@ -26,7 +26,8 @@ them, the chunks starting before the end of c's shallowest exported slot's subtr
 Memory: a chunk whose readers are still to come waits (forward done, backward not yet) with its activations, so a
 long path keeps many chunks. :func:`recompute_plan` picks the waiting chunks that keep nothing but their exported
 keys and values (and recurrent states): they run their forward once more right before their backward
-(``TreeChunk.recompute``), so the waiting chunks keep at most ``max_kept`` slots of activations at any time.
+(``TreeChunk.recompute``; ``recompute_uniform`` in expert parallel's order), so the waiting chunks keep at most
+``max_kept`` slots of activations at any time.
 
 Recurrent layers (Gated DeltaNet) read no keys but a state at the parent of each slot whose parent lies in
 an earlier chunk. Those parents are exported slots of their chunk (``TreeChunk.state_exports``: in the
@@ -80,25 +81,30 @@ def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
     return np.asarray(bounds, np.int64)
 
 
-def recompute_plan(slots: np.ndarray, last_reader: np.ndarray, max_kept: int) -> np.ndarray:
+def recompute_plan(slots: np.ndarray, last_reader: np.ndarray, max_kept: int, uniform: bool = False) -> np.ndarray:
     """Which chunks of a tree recompute their forward right before their backward: bool ``[k]``.
 
     slots        int ``[k]``: each chunk's own slots; last_reader: int ``[k]`` (``TreeChunk.last_reader``).
     max_kept     the most slots of activations the waiting chunks may keep during any chunk's forward.
+    uniform      plan for expert parallel's order: every forward, then every backward in reverse.
 
     The chunk driver (``megatron_tree.mcore.chunk_schedule``) runs the chunks as a stack: after chunk c's forward
     it runs the backward of every chunk on top whose last reader has run; chunk 0's comes after all. So chunk i
-    waits through the forwards of chunks ``i+1 .. release[i]``. Greedy in forward order: where the waiting chunks
-    that keep their activations exceed ``max_kept`` slots, the one released last (it would hold them longest) is
-    recomputed instead, until the rest fit. A chunk that nobody reads never waits and is never recomputed.
+    waits through the forwards of chunks ``i+1 .. release[i]`` (uniform: through all of them, every chunk but the
+    last). Greedy in forward order: where the waiting chunks that keep their activations exceed ``max_kept`` slots,
+    the one released last (it would hold them longest) is recomputed instead, until the rest fit. In the stack
+    order a chunk that nobody reads never waits and is never recomputed.
     """
     k = slots.shape[0]
-    release = np.full(k, k, np.int64)  # chunk 0's backward runs after every forward
-    stack: list[int] = []
-    for c in range(k):
-        stack.append(c)
-        while len(stack) > 1 and last_reader[stack[-1]] <= c:
-            release[stack.pop()] = c
+    if uniform:
+        release = 2 * k - np.arange(k)  # the backwards in reverse after the last forward, chunk 0's last
+    else:
+        release = np.full(k, k, np.int64)  # chunk 0's backward runs after every forward
+        stack: list[int] = []
+        for c in range(k):
+            stack.append(c)
+            while len(stack) > 1 and last_reader[stack[-1]] <= c:
+                release[stack.pop()] = c
     recompute = np.zeros(k, bool)
     index = np.arange(k)
     for c in range(1, k):
@@ -176,10 +182,10 @@ def build_chunks(
             ids, tokens[a:b], depth[a:b], own_end, ctx.size + np.concatenate([ctx_end, own_end]), exp - a, chunk,
             seq_of[sel], pos[sel], paths[sel] - a, is_last[sel], labels[sel], pad_to_multiple_of, pad_token_id,
         ))  # fmt: skip
-    recompute = recompute_plan(np.diff(bounds), np.array([mb.chunk.last_reader for mb in out]),
-                               capacity if max_kept is None else max_kept)
-    return [dataclasses.replace(mb, chunk=dataclasses.replace(mb.chunk, recompute=True)) if flag else mb
-            for mb, flag in zip(out, recompute.tolist())]
+    plan = (np.diff(bounds), np.array([mb.chunk.last_reader for mb in out]), capacity if max_kept is None else max_kept)
+    flags = zip(recompute_plan(*plan).tolist(), recompute_plan(*plan, uniform=True).tolist())
+    return [dataclasses.replace(mb, chunk=dataclasses.replace(mb.chunk, recompute=stack, recompute_uniform=uniform))
+            for mb, (stack, uniform) in zip(out, flags)]
 
 
 def _chunk_micro_batch(ids, tokens, depth, own_end, context_end, export, chunk, seq_of, pos, slots, is_last, labels,

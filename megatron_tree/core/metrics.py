@@ -56,6 +56,7 @@ class PackingStats:
     tree_token_ratio  tree_tokens / original_tokens (lower is better; 1.0 = no sharing).
     recomputed_tokens tokens of chunks that run their forward a second time, right before their backward
                       (``TreeChunk.recompute``; ``MicroBatchSpec.max_kept_tokens``); not in ``tree_tokens``.
+                      Under expert parallel the schedule runs its own choice (``recompute_uniform`` of any rank).
     padded_tokens     slots including padding; wasted_tokens = padded - tree.
     balance           BalanceStats of tree tokens per micro-batch against max_tokens_per_mb.
     """

@@ -48,6 +48,7 @@ class TreeChunk:
                  layers start the own slots hanging from them from what that chunk kept.
     recompute    the chunk keeps only its exported keys and values (and recurrent states) while it waits for its
                  readers, and runs its forward again right before its backward (``chunks.recompute_plan``).
+    recompute_uniform  the same in expert parallel's order (every forward, then every backward in reverse).
     """
 
     group: int
@@ -58,6 +59,7 @@ class TreeChunk:
     state_exports: tuple[int, ...] = ()
     carried: tuple[tuple[int, int], ...] = ()
     recompute: bool = False
+    recompute_uniform: bool = False
 
     @property
     def context_len(self) -> int:

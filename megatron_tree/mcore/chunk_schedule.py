@@ -34,7 +34,8 @@ samples keeps the prompt's chunks and one sample's.
 Expert parallel: EP ranks exchange tokens in every forward and backward, so every rank must run the
 same sequence of them. There every step runs its chunks' forwards, then their backwards in reverse
 (``uniform``), padded with empty chunks to the largest chunk count of that step on any rank: the
-stack is the whole tree, and a chunk is recomputed where it is on any rank (``ChunkedTree.recompute``).
+stack is the whole tree: a chunk runs its forward again where ``TreeChunk.recompute_uniform`` (planned for this
+order, within the same budget) says so on any rank (``ChunkedTree.recompute``).
 """
 
 from __future__ import annotations

@@ -647,13 +647,13 @@ def _check_chunks_runnable(chunked: list[TreeMicroBatch], *, pp: int, cp: int, t
 
 def _uniform_chunks(mbs: Sequence[TreeMicroBatch], device: torch.device) -> list[tuple[bool, ...]] | None:
     """Under expert parallel, per schedule step: for each chunk of the rank with the most, whether it runs its forward
-    again on any rank (``TreeChunk.recompute``; two MAX all-reduces over the world, the step counts being equal); None
+    again on any rank (``TreeChunk.recompute_uniform``; two MAX all-reduces over the world, the step counts being equal); None
     when no rank has a chunked tree."""
     steps = [s if isinstance(s, list) else [s] for s in schedule_steps(list(mbs))]
     most = _all_reduce_max([len(s) for s in steps], device)
     if max(most) == 1:
         return None
-    flags = [[mb.chunk is not None and mb.chunk.recompute for mb in s] + [False] * (n - len(s))
+    flags = [[mb.chunk is not None and mb.chunk.recompute_uniform for mb in s] + [False] * (n - len(s))
              for s, n in zip(steps, most)]
     anywhere = iter(_all_reduce_max([int(f) for step in flags for f in step], device))
     return [tuple(bool(next(anywhere)) for _ in range(n)) for n in most]

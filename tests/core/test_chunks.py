@@ -179,6 +179,10 @@ def test_recompute_plan_recomputes_the_chunks_released_last_until_the_rest_fit()
     assert recompute_plan(slots, last_reader, 20).tolist() == [True, False, True, False]
     assert recompute_plan(slots, last_reader, 31).tolist() == [False] * 4
     assert recompute_plan(slots, last_reader, 0).tolist() == [True, True, True, False]
+    # expert parallel's order: every chunk waits until the last forward, then chunk 3's backward runs first, chunk 0's
+    # last: chunks 0 and 1 run again (5 + 10 recomputed slots leave 16 kept)
+    assert recompute_plan(slots, last_reader, 20, uniform=True).tolist() == [True, True, False, False]
+    assert recompute_plan(slots, last_reader, 0, uniform=True).tolist() == [True, True, True, False]
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "8"])

@@ -89,8 +89,10 @@ def test_chunks_beyond_max_kept_tokens_keep_no_graph_and_run_again(max_kept):
     check_order(chunks, order)
     assert kept <= (CAPACITY if max_kept is None else max_kept)
     assert forwards == {c: 2 if c in again else 1 for c in range(len(chunks))}
-    # expert parallel: the flags of every rank, here one chunk more than this rank's own
-    flags = tuple(mb.chunk.recompute or mb.chunk.index == len(chunks) - 1 for mb in chunks)
+    # expert parallel: the flags planned for its order, ORed with another rank's (here: one chunk more)
+    own = tuple(mb.chunk.recompute_uniform for mb in chunks)
+    assert run(chunks, uniform=True, recompute=own)[2] <= (CAPACITY if max_kept is None else max_kept)
+    flags = tuple(flag or c == 1 for c, flag in enumerate(own))
     forwards = run(chunks, uniform=True, recompute=flags)[3]
     assert forwards == {c: 1 + flag for c, flag in enumerate(flags)}
 
@@ -100,7 +102,8 @@ def test_chunks_beyond_max_kept_tokens_keep_no_graph_and_run_again(max_kept):
 def test_the_waiting_chunks_keep_at_most_max_kept_tokens(seqs, cap, max_kept):
     """Any forest, capacity and ``max_kept_tokens``: during every forward the waiting chunks keep graphs of at most
     that many slots, only chunks that later chunks read run again (every one of them with 0), and the backwards
-    still follow their readers'."""
+    still follow their readers'; in expert parallel's order (every forward, then the backwards) with the flags
+    planned for it, the same budget holds."""
     mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, max_kept_tokens=max_kept))
     for chunks in (step for step in schedule_steps(mbs) if isinstance(step, list)):
         again = {mb.chunk.index for mb in chunks if mb.chunk.recompute}
@@ -110,3 +113,5 @@ def test_the_waiting_chunks_keep_at_most_max_kept_tokens(seqs, cap, max_kept):
         check_order(chunks, order)
         assert kept <= (cap if max_kept is None else max_kept)
         assert forwards == {c: 2 if c in again else 1 for c in range(len(chunks))}
+        uniform = tuple(mb.chunk.recompute_uniform for mb in chunks)  # expert parallel's order, the same budget
+        assert run(chunks, uniform=True, recompute=uniform)[2] <= (cap if max_kept is None else max_kept)

@@ -61,7 +61,7 @@ def test_tree_step_equals_flat_step(runs, request, case):
     assert len(rows) == PARITY_CASES[case][0], out[-3000:]
     for _, _, loss_rel, grad_rel in rows:
         assert float(loss_rel) < 1e-5 and float(grad_rel) < 1e-5
-    if case.startswith("chunks"):  # chunks beyond max_kept_tokens (8) run again; under EP where any rank's does
+    if case.startswith("chunks"):  # chunks beyond max_kept_tokens (8) run again; under EP where any rank plans it
         again = re.findall(r"run_again=(\[.*?\])", out)
         assert any(a != "[]" for a in again) and (case != "chunks-ep2-moe" or len(set(again)) > 1), again
 

@@ -179,11 +179,14 @@ def main():
         flat_loss, flat_grad = step(flat_mbs)
         loss_rel = abs(tree_loss - flat_loss) / abs(flat_loss)
         grad_rel = float((tree_grad - flat_grad).abs().max() / flat_grad.abs().max().clamp(min=1e-30))
+        def again(chunk):  # the chunk runs its forward twice (in expert parallel's order under EP)
+            return chunk.recompute_uniform if args.ep > 1 else chunk.recompute
+
         print(
             f"PARITY rank={rank} tree_mbs={len(tree_mbs)} flat_mbs={len(flat_mbs)} loss={tree_loss:.7f} "
             f"flat_loss={flat_loss:.7f} loss_rel={loss_rel:.3e} grad_rel={grad_rel:.3e} "
             f"tree_tokens={sum(m.num_tokens for m in tree_mbs)} flat_tokens={sum(m.num_tokens for m in flat_mbs)} "
-            f"run_again={[(m.chunk.group, m.chunk.index) for m in tree_mbs if m.chunk and m.chunk.recompute]}",
+            f"run_again={[(m.chunk.group, m.chunk.index) for m in tree_mbs if m.chunk and again(m.chunk)]}",
             flush=True,
         )
         # With Transformer Engine, also the flat path Megatron users run: the upstream model, each
