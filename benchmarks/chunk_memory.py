@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from e2e_bench import workloads
 
-from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree import MicroBatchSpec, PackingStats, pack_trees
 from megatron_tree.mcore.chunk_schedule import ChunkedTree, release_chunks, run_chunked_tree
 from megatron_tree.mcore.schedule import schedule_steps
 
@@ -68,14 +68,15 @@ def main():
                 mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, packing_algorithm="kk",
                                                       max_kept_tokens=max_kept))
                 chunks = [mb for mb in mbs if mb.chunk]
-                again = sum(mb.num_tokens for mb in chunks if mb.chunk.recompute)
+                stats = PackingStats.of(mbs)
                 steps = [kept_slots(s) if isinstance(s, list) else s.num_tokens for s in schedule_steps(mbs)]
                 rows.append(dict(workload=name, max_tokens_per_mb=cap, max_kept_tokens=kept_name,
                                  micro_batches=len(mbs), chunks=len(chunks),
                                  chunks_exporting_nothing=sum(mb.export_slots is None or mb.export_slots.numel() == 0
                                                               for mb in chunks),
-                                 chunks_recomputed=sum(mb.chunk.recompute for mb in chunks), recomputed_tokens=again,
-                                 extra_forward=round(again / sum(mb.num_tokens for mb in mbs), 3),
+                                 chunks_recomputed=sum(mb.chunk.recompute for mb in chunks),
+                                 recomputed_tokens=stats.recomputed_tokens,
+                                 extra_forward=round(stats.recomputed_tokens / stats.tree_tokens, 3),
                                  kept_slots_per_step=steps, max_kept_slots=max(steps),
                                  longest_sequence=longest, flat_micro_batch_slots=max(cap, longest),
                                  kept_vs_flat=round(max(steps) / max(cap, longest), 3)))

@@ -150,8 +150,9 @@ class _ForkServer:
         process is in the first string, interleaved as written, and the second is empty."""
         with tempfile.TemporaryDirectory(prefix="job_") as tmp:
             out, err = Path(tmp, "out"), Path(tmp, "err")
-            job = dict(script=None if script is None else str(script), code=code, args=list(map(str, args)), nproc=nproc, env=env,
-                       cwd=str(cwd), out=str(out), err=str(err) if split else None, timeout=timeout)
+            job = dict(script=None if script is None else str(script), code=code, args=list(map(str, args)),
+                       nproc=nproc, env=env, cwd=str(cwd), out=str(out), err=str(err) if split else None,
+                       timeout=timeout)
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             answered, _, _ = select.select([self.proc.stdout], [], [], timeout + 120)  # it ends jobs at ``timeout``

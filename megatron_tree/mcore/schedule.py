@@ -647,8 +647,8 @@ def _check_chunks_runnable(chunked: list[TreeMicroBatch], *, pp: int, cp: int, t
 
 def _uniform_chunks(mbs: Sequence[TreeMicroBatch], device: torch.device) -> list[tuple[bool, ...]] | None:
     """Under expert parallel, per schedule step: for each chunk of the rank with the most, whether it runs its forward
-    again on any rank (``TreeChunk.recompute_uniform``; two MAX all-reduces over the world, the step counts being equal); None
-    when no rank has a chunked tree."""
+    again on any rank (``TreeChunk.recompute_uniform``; two MAX all-reduces over the world, the step counts being
+    equal); None when no rank has a chunked tree."""
     steps = [s if isinstance(s, list) else [s] for s in schedule_steps(list(mbs))]
     most = _all_reduce_max([len(s) for s in steps], device)
     if max(most) == 1:

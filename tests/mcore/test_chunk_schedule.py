@@ -49,7 +49,8 @@ def run(chunks, uniform=False, recompute=None):
     def loss_func_for(mb):
         return lambda out, non_loss_data=False: (out, torch.tensor(1), {"loss": out.detach()[None]})
 
-    output, loss_func = run_chunked_tree(ChunkedTree(chunks, uniform, recompute=recompute), forward, loss_func_for, CONFIG, train=True)
+    item = ChunkedTree(chunks, uniform, recompute=recompute)
+    output, loss_func = run_chunked_tree(item, forward, loss_func_for, CONFIG, train=True)
     loss, count, _ = loss_func(output)
     loss.backward()  # megatron-core's backward of the first chunk
     release_chunks()
