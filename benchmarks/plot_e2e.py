@@ -7,6 +7,8 @@
     python benchmarks/plot_e2e.py benchmarks/results/te/e2e_fewest_chunks_grpo_{8k_b,16k}.json \
         benchmarks/results/te/e2e_fewest_chunks_long_multi_turn_{8k,16k}.json \
         benchmarks/results/te/e2e_long_multi_turn_flat_40k.json --out benchmarks/results/te/e2e_fewest_chunks.png
+    python benchmarks/plot_e2e.py benchmarks/results/te/e2e_chunks_long_multi_turn_{8192,16384}_{all,default}.json \
+        benchmarks/results/te/e2e_long_multi_turn_flat_40k.json --out benchmarks/results/te/e2e_chunks_long.png
 
 A tree-only run (``--modes tree``) is paired with a flat-only run of the same model and batch (same workload,
 original and unique tokens, recompute) among the inputs: its speedup is the flat run's median step over its own.
@@ -21,6 +23,30 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def packed_ideal(row: dict) -> float:
+    """Flat FLOPs / FLOPs of the trees as packed (``e2e_bench.finish_row``) for a tree-only row: the per-token and
+    per-pair FLOPs solved from the row's flat and tree FLOPs (two equations in the two unknowns)."""
+    tree = row["tree"]
+    if not tree.get("recomputed_tokens"):
+        return row["flop_ideal_speedup"]
+    a, b, c, d = row["original_tokens"], row["flat_pairs"], row["unique_tokens"], row["tree_pairs"]
+    det = a * d - b * c
+    per_token = (row["flops_flat"] * d - b * row["flops_tree"]) / det
+    per_pair = (a * row["flops_tree"] - c * row["flops_flat"]) / det
+    return row["flops_flat"] / (per_token * (tree["computed_tokens"] + tree["recomputed_tokens"] / 3)
+                                + per_pair * (tree["computed_pairs"] + tree["recomputed_pairs"] / 3))
+
+
+def kept_label(row: dict) -> str:
+    """How much the waiting chunks kept (``max_kept_tokens``), for chunked rows that say."""
+    if not row.get("chunk_trees") or "max_kept_tokens" not in row:
+        return ""
+    kept = row["max_kept_tokens"]
+    if kept is None:
+        return f"\n{row['tree'].get('recomputed_tokens', 0) // 1000}k fwd twice"
+    return "\nkeep all" if kept >= row["unique_tokens"] else f"\nkept {kept // 1024}k"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("inputs", nargs="+")
@@ -33,13 +59,13 @@ def main():
     for r in rows:
         if "speedup" not in r and "tree" in r and key(r) in flat_only:  # tree-only: the flat run of the same batch
             r["speedup"] = flat_only[key(r)]["step_s"] / r["tree"]["step_s"]
-            r.setdefault("packed_flop_ideal_speedup", r["flop_ideal_speedup"])
-            r["achieved_fraction_of_ideal"] = r["speedup"] / r["packed_flop_ideal_speedup"]
+            r.setdefault("packed_flop_ideal_speedup", packed_ideal(r))
+            r["achieved_fraction_of_ideal"] = r["speedup"] / r["flop_ideal_speedup"]  # as e2e_bench.finish_row
     rows = [r for r in rows if "speedup" in r]  # complete rows only
     flat = {"te_thd_cudnn": "Megatron THD packing, TE cuDNN attention", "tree_kernel_chains": "chains, same kernel"}
     baselines = sorted({flat.get(res.get("baseline"), "chains, same kernel") for res in results})
     labels = [f"{r['model']}\n{r['workload']}" + (f"\n{r['max_tokens_per_mb'] // 1024}k chunks" if r.get("chunk_trees") else "")
-              for r in rows]
+              + kept_label(r) for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(1.6 * len(rows) + 2, 9), 4))
     ax.bar([i - 0.27 for i in x], [r["flop_ideal_speedup"] for r in rows], width=0.27, label="FLOP-ideal speedup")
