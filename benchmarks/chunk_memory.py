@@ -8,6 +8,11 @@ tokens, the share of forwards run twice). Next to it, the slots of the flat step
 size (``flat_micro_batch_slots``: ``max_tokens_per_mb``, or the longest sequence where that is longer: a flat step
 cannot cut a sequence) and their ratio (``kept_vs_flat``).
 
+The cost of the forwards run twice, at a model's shape (``--model``, one of ``e2e_bench.MODELS``): their FLOPs
+(tokens and computed (query, key) pairs, as e2e_bench counts them) over the step's (``extra_forward_flops``), and the
+fewest any choice of chunks to run again could spend under the same budget (``fewest_extra_forward_flops``: every
+subset of each tree's chunks tried, trees of at most 16 chunks; None beyond).
+
     python benchmarks/chunk_memory.py --out benchmarks/results/chunk_memory.json
 """
 
@@ -17,9 +22,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from e2e_bench import workloads
+from e2e_bench import MODELS, chunk_pairs, flops_per_token_and_pair, workloads
+from transformers import AutoConfig
 
 from megatron_tree import MicroBatchSpec, PackingStats, pack_trees
+from megatron_tree.core.chunks import released_after
 from megatron_tree.mcore.chunk_schedule import ChunkedTree, release_chunks, run_chunked_tree
 from megatron_tree.mcore.schedule import schedule_steps
 
@@ -51,13 +58,32 @@ def kept_slots(chunks) -> int:
     return peak
 
 
+def fewest_extra_flops(chunks, forward_flops: np.ndarray, max_kept: int) -> float | None:
+    """The least forward FLOPs a choice of ``chunks`` (one tree, stack order) to run again can spend while the waiting
+    chunks keep at most ``max_kept`` slots at every forward (``recompute_plan``'s constraint); None past 16 chunks."""
+    k = len(chunks)
+    if k > 16:
+        return None
+    slots = np.array([mb.num_tokens for mb in chunks])
+    release = released_after(np.array([mb.chunk.last_reader for mb in chunks]))
+    c, i = np.arange(k)[:, None], np.arange(k)[None, :]
+    waiting = (i < c) & (release[None, :] >= c)  # [forward c, chunk i]
+    again = (np.arange(2**k)[:, None] >> np.arange(k)) & 1  # every subset, [2^k, k]
+    kept = ((1 - again) * slots) @ waiting.T  # [2^k, forward]
+    fits = (kept <= max_kept).all(axis=1)
+    return float((again[fits] @ forward_flops).min())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="grpo,long_multi_turn")
     ap.add_argument("--caps", default="8192,16384")
     ap.add_argument("--max-kept", default="all,default,0", help=f"comma-separated, of {list(KEPT)} or ints")
+    ap.add_argument("--model", default="qwen3-1.7b", help="the shape whose FLOPs price the forwards run twice")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    arch, overrides = MODELS[args.model]
+    per_token, per_pair = flops_per_token_and_pair(AutoConfig.for_model(arch, **overrides))
     rows = []
     for name in args.workloads.split(","):
         seqs = workloads(name, np.random.default_rng(0), 151936)
@@ -70,6 +96,13 @@ def main():
                 chunks = [mb for mb in mbs if mb.chunk]
                 stats = PackingStats.of(mbs)
                 steps = [kept_slots(s) if isinstance(s, list) else s.num_tokens for s in schedule_steps(mbs)]
+                step_flops = per_token * stats.tree_tokens + per_pair * sum(chunk_pairs(mb) for mb in mbs)
+                extra, fewest = 0.0, 0.0
+                for run in (s for s in schedule_steps(mbs) if isinstance(s, list)):
+                    forward = np.array([per_token * mb.num_tokens + per_pair * chunk_pairs(mb) for mb in run]) / 3
+                    extra += float(forward[[mb.chunk.recompute for mb in run]].sum())
+                    least = fewest_extra_flops(run, forward, cap if max_kept is None else max_kept)
+                    fewest = None if fewest is None or least is None else fewest + least
                 rows.append(dict(workload=name, max_tokens_per_mb=cap, max_kept_tokens=kept_name,
                                  micro_batches=len(mbs), chunks=len(chunks),
                                  chunks_exporting_nothing=sum(mb.export_slots is None or mb.export_slots.numel() == 0
@@ -77,6 +110,8 @@ def main():
                                  chunks_recomputed=sum(mb.chunk.recompute for mb in chunks),
                                  recomputed_tokens=stats.recomputed_tokens,
                                  extra_forward=round(stats.recomputed_tokens / stats.tree_tokens, 3),
+                                 extra_forward_flops=round(extra / step_flops, 4),
+                                 fewest_extra_forward_flops=None if fewest is None else round(fewest / step_flops, 4),
                                  kept_slots_per_step=steps, max_kept_slots=max(steps),
                                  longest_sequence=longest, flat_micro_batch_slots=max(cap, longest),
                                  kept_vs_flat=round(max(steps) / max(cap, longest), 3)))

@@ -81,6 +81,28 @@ def chunk_bounds(forest: TokenForest, capacity: int) -> np.ndarray:
     return np.asarray(bounds, np.int64)
 
 
+def released_after(last_reader: np.ndarray, uniform: bool = False) -> np.ndarray:
+    """The forward after which each chunk's backward runs: int64 ``[k]`` (``k`` or more: after every forward).
+
+    last_reader  int ``[k]`` (``TreeChunk.last_reader``).
+    uniform      expert parallel's order: every forward, then every backward in reverse.
+
+    The chunk driver (``megatron_tree.mcore.chunk_schedule``) runs the chunks as a stack: after chunk c's forward
+    it runs the backward of every chunk on top whose last reader has run; chunk 0's comes after all. So chunk i
+    keeps its graph through the forwards of chunks ``i+1 .. released_after[i]`` (uniform: through all of them).
+    """
+    k = last_reader.shape[0]
+    if uniform:
+        return 2 * k - np.arange(k)  # the backwards in reverse after the last forward, chunk 0's last
+    release = np.full(k, k, np.int64)  # chunk 0's backward runs after every forward
+    stack: list[int] = []
+    for c in range(k):
+        stack.append(c)
+        while len(stack) > 1 and last_reader[stack[-1]] <= c:
+            release[stack.pop()] = c
+    return release
+
+
 def recompute_plan(slots: np.ndarray, last_reader: np.ndarray, max_kept: int, uniform: bool = False) -> np.ndarray:
     """Which chunks of a tree recompute their forward right before their backward: bool ``[k]``.
 
@@ -88,23 +110,16 @@ def recompute_plan(slots: np.ndarray, last_reader: np.ndarray, max_kept: int, un
     max_kept     the most slots of activations the waiting chunks may keep during any chunk's forward.
     uniform      plan for expert parallel's order: every forward, then every backward in reverse.
 
-    The chunk driver (``megatron_tree.mcore.chunk_schedule``) runs the chunks as a stack: after chunk c's forward
-    it runs the backward of every chunk on top whose last reader has run; chunk 0's comes after all. So chunk i
-    waits through the forwards of chunks ``i+1 .. release[i]`` (uniform: through all of them, every chunk but the
-    last). Greedy in forward order: where the waiting chunks that keep their activations exceed ``max_kept`` slots,
-    the one released last (it would hold them longest) is recomputed instead, until the rest fit. In the stack
-    order a chunk that nobody reads never waits and is never recomputed.
+    Chunk i waits through the forwards of chunks ``i+1 .. released_after[i]`` (:func:`released_after`). Greedy in
+    forward order: where the waiting chunks that keep their activations exceed ``max_kept`` slots, the one released
+    last (it would hold them longest) is recomputed instead, until the rest fit. In the stack order a chunk that
+    nobody reads never waits and is never recomputed. Cost: in a chain (one long sequence) the chunk released last
+    is the one nearest the root, whose forward (attention over its ancestors only) is the cheapest per slot; on the
+    benchmark batches the plan's extra forward FLOPs equal the fewest that keep the budget
+    (``benchmarks/chunk_memory.py``, by exhaustive search).
     """
     k = slots.shape[0]
-    if uniform:
-        release = 2 * k - np.arange(k)  # the backwards in reverse after the last forward, chunk 0's last
-    else:
-        release = np.full(k, k, np.int64)  # chunk 0's backward runs after every forward
-        stack: list[int] = []
-        for c in range(k):
-            stack.append(c)
-            while len(stack) > 1 and last_reader[stack[-1]] <= c:
-                release[stack.pop()] = c
+    release = released_after(last_reader, uniform)
     recompute = np.zeros(k, bool)
     index = np.arange(k)
     for c in range(1, k):

@@ -33,3 +33,18 @@ def test_a_chain_keeps_all_its_chunks(monkeypatch):
     slots only the chunk in flight has a graph."""
     assert kept([np.arange(40) + 1], 16, monkeypatch) == (3, 40)
     assert kept([np.arange(40) + 1], 16, monkeypatch, max_kept=0) == (3, 16)
+
+
+def test_the_fewest_extra_forward_flops_are_found_by_trying_every_choice(monkeypatch):
+    """A 40-token chain in 3 chunks of 16 slots: at the last forward chunks 0 and 1 wait (32 slots); a budget of 16
+    needs one of them run again, the cheaper whichever it is (the plan itself always takes chunk 0, released last);
+    a budget of 0 needs both; 32 neither."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from chunk_memory import fewest_extra_flops
+
+    chunks = pack_trees([np.arange(40) + 1], MicroBatchSpec(max_tokens_per_mb=16, chunk_trees=True))
+    assert [mb.chunk.recompute for mb in chunks] == [True, False, False]
+    assert fewest_extra_flops(chunks, np.array([1.0, 5.0, 7.0]), 16) == 1.0
+    assert fewest_extra_flops(chunks, np.array([5.0, 2.0, 7.0]), 16) == 2.0
+    assert fewest_extra_flops(chunks, np.array([5.0, 2.0, 7.0]), 0) == 7.0
+    assert fewest_extra_flops(chunks, np.array([5.0, 2.0, 7.0]), 32) == 0.0
