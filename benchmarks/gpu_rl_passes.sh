@@ -2,7 +2,8 @@
 # Every model pass of an RL step on the GPU host, in one device call (logs under $OUT):
 #   1. tests/scripts/rl_passes_parity.py without Transformer Engine (local spec), fp32 + bf16;
 #   2. the same with TE (adds the TE THD flat path Megatron users run), fp32 + bf16;
-#   3. the launcher's whole PPO step (configs/ppo_qwen3_0.6b_shape.yaml), tree vs flat, with TE.
+#   3. the launcher's whole PPO step (PPO_CONFIG, default configs/ppo_qwen3_0.6b_shape.yaml; the 1.7B shape:
+#      configs/ppo_qwen3_1.7b_shape.yaml), tree vs flat, with TE.
 #
 #   ../shared/gpu/fetch-wheels.sh && ../shared/gpu/fetch-te.sh && cp ../shared/gpu/te-setup.sh .te/   # here, once
 #   bash benchmarks/gpu_rl_passes.sh          # there, with .whl and .te carried
@@ -32,8 +33,8 @@ if [ "${PART:-all}" = all ]; then
   parity "TE (TE spec, cuDNN THD flat path)" te
 fi
 for mode in tree-training no-tree-training; do
-  echo "== PPO whole step, Qwen3-0.6B shape, bf16, TE: --$mode" | tee -a "$LOG"
-  timeout 420 python3 -m megatron_tree.train --config configs/ppo_qwen3_0.6b_shape.yaml --steps "${PPO_STEPS:-4}" \
+  echo "== PPO whole step, ${PPO_CONFIG:=configs/ppo_qwen3_0.6b_shape.yaml}, bf16, TE: --$mode" | tee -a "$LOG"
+  timeout 420 python3 -m megatron_tree.train --config "$PPO_CONFIG" --steps "${PPO_STEPS:-4}" \
     --"$mode" --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
 done
 python3 - "$OUT" <<'PY' | tee -a "$LOG"
