@@ -51,6 +51,9 @@ class MicroBatchSpec:
         kept = self.max_kept_tokens
         if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int) or kept < 0):
             raise ValueError(f"MicroBatchSpec.max_kept_tokens must be None or an int >= 0, got {kept!r}")
+        if kept is not None and not self.chunk_trees:
+            raise ValueError(f"MicroBatchSpec.max_kept_tokens={kept} bounds what the chunks of trees larger than a "
+                             f"micro-batch keep, but chunk_trees is False; set chunk_trees=True or drop max_kept_tokens")
         for name in ("max_tokens_per_mb", "n_mbs", "n_mbs_divisor", "granularity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -425,10 +425,11 @@ class Trainer:
         # Chunks of trees larger than a micro-batch need the tree model, one pipeline stage, no context parallel.
         chunk = mb.chunk_trees and self.tree_model and p.pp == 1 and p.cp == 1
         if mb.chunk_trees and not chunk:
-            self._info("micro_batch.chunk_trees is off: chunks run with pipeline and context parallel size 1 and the "
-                       "tree model only; a tree larger than a micro-batch is split with its shared path recomputed")
+            kept = "" if mb.max_kept_tokens is None else " (max_kept_tokens with it)"
+            self._info(f"micro_batch.chunk_trees is off{kept}: chunks run with pipeline and context parallel size 1 and "
+                       f"the tree model only; a tree larger than a micro-batch is split with its shared path recomputed")
         self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor),
-                                       chunk_trees=chunk)
+                                       chunk_trees=chunk, max_kept_tokens=mb.max_kept_tokens if chunk else None)
         self.source = open_rollout_source(
             cfg.data, vocab=self.vocab, max_len=None if chunk else mb.max_tokens_per_mb, seed=cfg.train.seed,
             need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.loss == "grpo" and cfg.train.kl_coef > 0,
@@ -628,7 +629,7 @@ class Trainer:
         if problem:
             raise ValueError(f"the rollouts carry images, but {problem}; train on text-only rollouts or change that")
         # Image prompts share <|vision_start|> (one root tree): split at branch points, as chunks take no images.
-        spec = MicroBatchSpec.new(self.spec, chunk_trees=False)
+        spec = MicroBatchSpec.new(self.spec, chunk_trees=False, max_kept_tokens=None)
         return pack_vision_trees([batch.sequences[i] for i in mine], [batch.images[i] for i in mine], spec,
                                  dp_group=self.dp_group, **vision)
 

@@ -189,3 +189,9 @@ def test_recompute_plan_recomputes_the_chunks_released_last_until_the_rest_fit()
 def test_bad_max_kept_tokens_is_refused(value):
     with pytest.raises(ValueError, match="max_kept_tokens must be None or an int >= 0"):
         MicroBatchSpec(max_tokens_per_mb=8, chunk_trees=True, max_kept_tokens=value)
+
+
+def test_max_kept_tokens_without_chunk_trees_is_refused():
+    with pytest.raises(ValueError, match="max_kept_tokens=8 bounds what the chunks .* but chunk_trees is False; set "
+                                         "chunk_trees=True or drop max_kept_tokens"):
+        MicroBatchSpec(max_tokens_per_mb=8, max_kept_tokens=8)

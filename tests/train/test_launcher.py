@@ -282,6 +282,8 @@ def test_under_torchrun_a_mistyped_flag_is_printed_by_rank_0_only(tmp_path, caps
         (["--tp", "2"], "world size 1 is not divisible by tp * pp * cp = 2 * 1 * 1"),
         (["--save", "/proc/no/such/dir"], "checkpoint.save '/proc/no/such/dir': cannot create the directory"),
         (["--load", "/proc"], "--load '/proc': neither a checkpoint nor a directory with latest_checkpointed_iteration"),
+        (["--no-chunk-trees", "--max-kept-tokens", "5"], "max_kept_tokens=5 bounds what the chunks of trees larger "
+                                                          "than a micro-batch keep, but chunk_trees is False"),
         pytest.param(["--bf16"], "train.bf16 (--bf16) needs a CUDA GPU", marks=pytest.mark.skipif(
             torch.cuda.is_available(), reason="refused on CPU only")),
     ],
