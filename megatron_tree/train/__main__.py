@@ -99,7 +99,8 @@ MICRO_BATCH_HELP = {
     "packing_algorithm": ("packing of trees into micro-batches: ffd (first-fit decreasing) | kk (Karmarkar-Karp)", "ffd"),
     "chunk_trees": ("a tree larger than a micro-batch runs in chunks that read their ancestors' keys and values or "
                     "recurrent states (every token computed once, any sequence length; pipeline and context parallel size 1, else off)", True),
-    "max_kept_tokens": ("with --chunk-trees: the most slots of activations kept by chunks waiting for later chunks' "
+    "max_kept_tokens": ("with --chunk-trees (refused with --no-chunk-trees; dropped with a note where chunks cannot "
+                        "run: PP or CP > 1): the most slots of activations kept by chunks waiting for later chunks' "
                         "backwards; the others keep only their exported keys and values and run their forward again "
                         "before their backward (0: the least memory; null: max_tokens_per_mb)", None),
 }
