@@ -51,6 +51,7 @@ class BalanceStats:
 class PackingStats:
     """What one step's packing did.
 
+    num_sequences     distinct input sequences (a sequence through several chunks counts once).
     original_tokens   tokens of the sequences before sharing.
     tree_tokens       unique tokens actually computed (sum over micro-batches).
     tree_token_ratio  tree_tokens / original_tokens (lower is better; 1.0 = no sharing).
@@ -78,7 +79,7 @@ class PackingStats:
         padded = sum(mb.num_slots for mb in mbs)
         return cls(
             num_micro_batches=len(mbs),
-            num_sequences=sum(len(mb.sequence_ids) for mb in mbs),
+            num_sequences=len({i for mb in mbs for i in mb.sequence_ids}),
             original_tokens=original,
             tree_tokens=tree,
             tree_token_ratio=tree / original if original else 1.0,

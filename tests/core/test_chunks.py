@@ -94,6 +94,7 @@ def test_chunks_cover_every_sequence_and_compute_each_token_once(seqs, cap, n_mb
     stats = PackingStats.of(mbs, cap)
     assert stats.tree_tokens == build_forest(as_sequences(seqs)).num_tokens  # nothing recomputed
     assert stats.original_tokens == sum(map(len, seqs))
+    assert stats.num_sequences == len(seqs)  # a sequence through several chunks counts once
 
 
 @settings(max_examples=60, deadline=None)
