@@ -3,6 +3,7 @@
 - On a GPU host the suite runs in two passes (``two_pass``): the CPU suite with CUDA and Transformer
   Engine hidden, as on CI, then the ``gpu`` tests in a second pytest with CUDA visible; one command, one exit code.
 - ``gpu`` tests are skipped, with the reason, where CUDA is not available.
+- each failure's test and error line is printed as it fails (``instant_failures``), not only at the end.
 - tests that start processes (``dist_utils.run_torchrun``) must carry ``multiprocess`` (checked); their jobs run
   in forks of one server process that imported megatron-core once (``tests/fork_server.py``), started when the
   selection holds a ``multiprocess`` or ``slow`` test.
@@ -22,6 +23,8 @@ GPU_PASS = two_pass.hide_cuda_for_pass_one()  # before torch touches CUDA in thi
 two_pass.hide_transformer_engine()  # in the CPU pass, as on CI: before anything imports TE
 
 import torch  # noqa: E402
+
+pytest_plugins = ["instant_failures"]  # a failure's test and error line as soon as it fails
 
 
 def pytest_collection_modifyitems(config, items):

@@ -67,3 +67,19 @@ def test_a_transformer_engine_imported_before_the_cpu_pass_is_an_error(monkeypat
     monkeypatch.setitem(sys.modules, "transformer_engine", object())
     with pytest.raises(RuntimeError, match="transformer_engine was imported before"):
         two_pass.hide_transformer_engine()
+
+
+def test_a_failure_is_reported_as_it_happens(tmp_path):
+    """A run cut short still says which test failed and why: the line comes before pytest's report at the end."""
+    (tmp_path / "test_probe.py").write_text("def test_fails():\n    assert 1 == 2, 'one is not two'\n\n"
+                                            "def test_passes():\n    pass\n")
+    tests = str(two_pass.CPU_PASS_DIR.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "instant_failures", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_probe.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    early = [i for i, line in enumerate(lines)
+             if line.startswith("FAILED") and "(call): AssertionError: one is not two" in line]
+    assert early and early[0] < next(i for i, line in enumerate(lines) if "FAILURES" in line), proc.stdout
