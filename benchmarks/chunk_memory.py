@@ -95,11 +95,13 @@ def main():
                                                       max_kept_tokens=max_kept))
                 chunks = [mb for mb in mbs if mb.chunk]
                 stats = PackingStats.of(mbs)
-                steps = [kept_slots(s) if isinstance(s, list) else s.num_tokens for s in schedule_steps(mbs)]
-                step_flops = per_token * stats.tree_tokens + per_pair * sum(chunk_pairs(mb) for mb in mbs)
+                runs = schedule_steps(mbs)
+                steps = [kept_slots(s) if isinstance(s, list) else s.num_tokens for s in runs]
+                forwards = {id(mb): (per_token * mb.num_tokens + per_pair * chunk_pairs(mb)) / 3 for mb in mbs}
+                step_flops = 3 * sum(forwards.values())  # forward and backward of every computed token and pair
                 extra, fewest = 0.0, 0.0
-                for run in (s for s in schedule_steps(mbs) if isinstance(s, list)):
-                    forward = np.array([per_token * mb.num_tokens + per_pair * chunk_pairs(mb) for mb in run]) / 3
+                for run in (s for s in runs if isinstance(s, list)):
+                    forward = np.array([forwards[id(mb)] for mb in run])
                     extra += float(forward[[mb.chunk.recompute for mb in run]].sum())
                     least = fewest_extra_flops(run, forward, cap if max_kept is None else max_kept)
                     fewest = None if fewest is None or least is None else fewest + least

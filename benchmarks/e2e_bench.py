@@ -442,14 +442,17 @@ def workload_row(args, name: str, seqs, per_token: float, per_pair: float, basel
                 flat_max_tokens_per_mb=args.flat_max_tokens_per_mb or args.max_tokens_per_mb)
 
 
+def packed_flops(tree: dict, per_token: float, per_pair: float) -> float:
+    """FLOPs of the trees as packed (a row's ``tree`` counts): a tree split over micro-batches computes its shared
+    prefix once per part; a chunk run again adds its forward, a third of its forward and backward."""
+    return (per_token * (tree["computed_tokens"] + tree["recomputed_tokens"] / 3)
+            + per_pair * (tree["computed_pairs"] + tree["recomputed_pairs"] / 3))
+
+
 def finish_row(row: dict, per_token: float, per_pair: float) -> None:
-    """Speedup, achieved fraction and the ideal of the trees as packed (a tree split over
-    micro-batches computes its shared prefix once per part; a chunk run again adds its forward, a third of its forward
-    and backward): flat FLOPs / FLOPs of the packed trees."""
+    """Speedup, achieved fraction and the ideal of the trees as packed: flat FLOPs / :func:`packed_flops`."""
     tree = row["tree"]
-    row["packed_flop_ideal_speedup"] = row["flops_flat"] / (
-        per_token * (tree["computed_tokens"] + tree["recomputed_tokens"] / 3)
-        + per_pair * (tree["computed_pairs"] + tree["recomputed_pairs"] / 3))
+    row["packed_flop_ideal_speedup"] = row["flops_flat"] / packed_flops(tree, per_token, per_pair)
     row["speedup"] = row["flat"]["step_s"] / row["tree"]["step_s"]
     row["achieved_fraction_of_ideal"] = row["speedup"] / row["flop_ideal_speedup"]
 

@@ -21,10 +21,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from e2e_bench import packed_flops  # noqa: E402
 
 
 def packed_ideal(row: dict) -> float:
-    """Flat FLOPs / FLOPs of the trees as packed (``e2e_bench.finish_row``) for a tree-only row: the per-token and
+    """Flat FLOPs / ``e2e_bench.packed_flops`` (as ``finish_row``) for a tree-only row: the per-token and
     per-pair FLOPs solved from the row's flat and tree FLOPs (two equations in the two unknowns)."""
     tree = row["tree"]
     if not tree.get("recomputed_tokens"):
@@ -33,8 +34,7 @@ def packed_ideal(row: dict) -> float:
     det = a * d - b * c
     per_token = (row["flops_flat"] * d - b * row["flops_tree"]) / det
     per_pair = (a * row["flops_tree"] - c * row["flops_flat"]) / det
-    return row["flops_flat"] / (per_token * (tree["computed_tokens"] + tree["recomputed_tokens"] / 3)
-                                + per_pair * (tree["computed_pairs"] + tree["recomputed_pairs"] / 3))
+    return row["flops_flat"] / packed_flops(tree, per_token, per_pair)
 
 
 def kept_label(row: dict) -> str:
