@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import json
 import io
@@ -202,7 +203,9 @@ def train_step(model, optimizer, mbs, loss_fn, run, between=None) -> None:
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    run(model, mbs, loss_fn)
+    # New micro-batch objects every step, as a new batch's: the step moves them to the GPU and prepares their masks
+    # (the schedule reuses both only across passes over the same objects).
+    run(model, [dataclasses.replace(mb) for mb in mbs], loss_fn)
     if between is not None:
         between()
     with torch.profiler.record_function(OPTIMIZER_REGION):
@@ -323,6 +326,7 @@ def main():
                          "chunk, so it must hold the longest sequence")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     cuda = torch.cuda.is_available()
     if not cuda and not args.model.startswith("tiny"):
         raise SystemExit("e2e_bench measures bf16 kernels on a CUDA GPU; without one only --model tiny or tiny-qwen3.5 "

@@ -53,7 +53,7 @@ import math
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -259,18 +259,40 @@ def check_subtree_end_values(subtree_end: torch.Tensor) -> None:
 
 
 class _PreparedMaskCache:
-    """What each backend prepared for the last few masks, keyed on the mask's memory.
+    """What each backend prepared for the last few masks, and for the masks someone :meth:`hold` s, keyed on the
+    mask's memory.
 
     Keys are (backend, window, context parallel, device, data_ptr, shape, stride, version counter) (:meth:`lookup`:
     a caller's tag in place of the first three). The entry holds the mask tensor itself, so its memory cannot be reused by another tensor while the entry lives;
     ``detach()`` (done by activation recompute) shares memory and version counter, so a
     recomputed layer finds the entry its forward made. In-place edits bump the version and miss
     (edits through ``.data`` bypass the version counter: do not edit a mask in flight that way).
+    At most ``capacity`` entries of masks nobody holds stay (the least recently used go first); the entries of a
+    held mask stay until it is released (the schedule holds the masks of the device copies it reuses across passes).
     """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
+        self._held: dict[tuple[str, int], int] = {}
+
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Keep the entries of ``tensors`` (masks, or what :meth:`lookup` keys on) until :meth:`release`; the caller
+        keeps the tensors alive meanwhile. Holds count: each ``hold`` needs its ``release``."""
+        for where in _places(tensors):
+            self._held[where] = self._held.get(where, 0) + 1
+
+    def release(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Undo one :meth:`hold` of ``tensors``; a mask no longer held loses its entries."""
+        freed = set()
+        for where in _places(tensors):
+            count = self._held.pop(where, 0) - 1
+            if count > 0:
+                self._held[where] = count
+            else:
+                freed.add(where)
+        for key in [k for k in self._entries if (k[1], k[2]) in freed]:
+            del self._entries[key]
 
     def get(self, backend: TreeAttentionBackend, subtree_end: torch.Tensor, cp: tuple[int, int] | None = None,
             window: int | None = None, context: int = 0) -> Any:
@@ -311,13 +333,19 @@ class _PreparedMaskCache:
             return hit[1]
         prepared = make()
         self._entries[key] = (tensor, prepared)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        loose = [k for k in self._entries if (k[1], k[2]) not in self._held]
+        for k in loose[: max(0, len(loose) - self.capacity)]:
+            del self._entries[k]
         return prepared
 
     def clear(self) -> None:
-        """Drop every cached entry (frees the prepared masks)."""
+        """Drop every cached entry (frees the prepared masks; held masks are prepared again when next used)."""
         self._entries.clear()
+
+
+def _places(tensors: Iterable[torch.Tensor]) -> set[tuple[str, int]]:
+    """(device, data_ptr) of each non-empty tensor (an empty one has no memory of its own to key on)."""
+    return {(str(t.device), t.data_ptr()) for t in tensors if t.numel()}
 
 
 def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor, rank: int, size: int, **extra) -> tuple:
@@ -337,10 +365,10 @@ def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor,
     return backend.prepare(subtree_end, order[rank * s : (rank + 1) * s], **extra), inverse
 
 
-# Four entries: the micro-batch in flight plus one whose backward (and recompute) is pending, each
-# with up to two masks (a model alternating sliding-window and full layers). Deeper pipelines keep
-# more micro-batches in flight: their recompute then prepares again (correct, only slower).
-# PREPARED_MASKS.clear() frees the cached masks after a step.
+# Four entries of masks nobody holds: the micro-batch in flight plus one whose backward (and recompute) is
+# pending, each with up to two masks (a model alternating sliding-window and full layers). The schedule holds the
+# masks of the micro-batches it moved to the device while their host micro-batches live (megatron_tree.mcore.schedule:
+# every pass over them reuses what was prepared). PREPARED_MASKS.clear() frees the cached masks.
 PREPARED_MASKS = _PreparedMaskCache(capacity=4)
 
 

@@ -6,7 +6,8 @@ every pipeline stage (one iterator per model chunk under interleaved PP) and cal
 last stage calls ``loss_func(output)``. Here:
 
 * :func:`tree_data_iterators` gives each model chunk its own iterator over the same
-  micro-batches (moved to the device, padded to one length when the schedule needs it);
+  micro-batches (moved to the device, padded to one length when the schedule needs it; once per
+  micro-batch object, every later pass over it reuses the copy and its prepared masks: :func:`device_copy`);
 * :func:`tree_forward_step` runs the model with the tree mask and depths as positions,
   and its loss function gathers per-sequence log-probs (vocab-parallel; or, with ``head=``,
   a critic's per-token values or a reward model's scores) and applies the user's loss;
@@ -39,12 +40,14 @@ only the last micro-batch's backward starts the reduction, whatever the number o
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
@@ -55,6 +58,7 @@ from megatron_tree.core.context_parallel import (
     shard_micro_batch,
     slot_multiple,
 )
+from megatron_tree.attention.dispatch import PREPARED_MASKS
 from megatron_tree.ops.logprobs import gather_tree_logprobs, vocab_parallel_logprobs
 from megatron_tree.ops.losses import sequence_parts
 from megatron_tree.core.microbatch import TreeMicroBatch
@@ -86,6 +90,51 @@ _log = logging.getLogger(__name__)
 _ANNOUNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
+_DEVICE_COPIES: dict[int, tuple[weakref.ref, dict[tuple, tuple[tuple[int, ...], Any]]]] = {}
+"""``id(host micro-batch) -> (a weak reference to it, {key: (its tensors' versions, its device copy)})``
+(:func:`device_copy`)."""
+_FREED_COPIES: list[dict[tuple, tuple[tuple[int, ...], Any]]] = []
+"""Device copies of freed host micro-batches whose masks the next :func:`device_copy` releases (not the weak
+reference's callback: that may run inside the mask cache's own bookkeeping, from the garbage collector)."""
+
+
+def device_copy(mb: TreeMicroBatch, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` (``mb`` padded and moved to the device: the schedule's item for it), made by the first pass over
+    ``mb`` under ``key`` (what, padded length, device) and returned again to every later pass over the same micro-batch
+    object while it lives and its tensors are not edited in place: the passes of an RL step (old and reference
+    log-probs, values, scores, updates) move each micro-batch once, and what the attention backends prepared from
+    its mask is prepared once (:data:`~megatron_tree.attention.PREPARED_MASKS` holds the copy's masks until ``mb`` is
+    freed)."""
+    while _FREED_COPIES:
+        for _, copy in _FREED_COPIES.pop().values():
+            PREPARED_MASKS.release(_masks(copy))
+    entry = _DEVICE_COPIES.get(id(mb))
+    if entry is None or entry[0]() is not mb:
+        entry = _DEVICE_COPIES[id(mb)] = (weakref.ref(mb, functools.partial(_forget_device_copies, id(mb))), {})
+    copies = entry[1]
+    versions = tuple(t._version for t in vars(mb).values() if isinstance(t, torch.Tensor))
+    if key in copies and copies[key][0] != versions:  # mb's tensors were edited in place since: copy again
+        PREPARED_MASKS.release(_masks(copies.pop(key)[1]))
+    if key not in copies:
+        copies[key] = (versions, make())
+        PREPARED_MASKS.hold(_masks(copies[key][1]))
+    return copies[key][1]
+
+
+def _forget_device_copies(ident: int, ref: weakref.ref) -> None:
+    """The host micro-batch ``ident`` was freed: its device copies go, their masks with the next :func:`device_copy`."""
+    entry = _DEVICE_COPIES.get(ident)
+    if entry is not None and entry[0] is ref:
+        _FREED_COPIES.append(_DEVICE_COPIES.pop(ident)[1])
+
+
+def _masks(item: Any) -> list[torch.Tensor]:
+    """The tensors of a schedule item that prepared attention masks (and scan layouts) are keyed on."""
+    parts = item if isinstance(item, tuple) else (item,)
+    names = ("attention_mask", "context_mask", "cu_seqlens_q")
+    return [t for part in parts for name in names if isinstance(t := getattr(part, name, None), torch.Tensor)]
+
+
 def tree_data_iterators(
     mbs: Sequence[TreeMicroBatch],
     num_model_chunks: int = 1,
@@ -107,7 +156,13 @@ def tree_data_iterators(
     empty chunks to as many as the tuple holds, whose flags say which chunks run their forward again."""
 
     def ready(mb: TreeMicroBatch) -> TreeMicroBatch:
-        return mb.padded_to(_padded_length(mb, pad_to, pad_multiple)).to(device)
+        length = _padded_length(mb, pad_to, pad_multiple)
+        return device_copy(mb, ("tree", length, str(device)), lambda: mb.padded_to(length).to(device))
+
+    def ready_shard(mb: TreeMicroBatch) -> tuple[TreeMicroBatch, ContextParallelShard]:
+        length = _padded_length(mb, pad_to, pad_multiple)
+        return device_copy(mb, ("cp", length, str(device), cp), lambda: (
+            ready(mb), shard_micro_batch(mb.padded_to(length), cp[1], cp[0]).to(device)))
 
     steps = schedule_steps(list(mbs))
     moved = []
@@ -121,8 +176,7 @@ def tree_data_iterators(
         elif isinstance(step, list):
             moved.append(ChunkedTree([ready(mb) for mb in step], last=last))
         else:
-            moved.append(ready(step) if cp is None else (ready(step), shard_micro_batch(
-                step.padded_to(_padded_length(step, pad_to, pad_multiple)), cp[1], cp[0]).to(device)))
+            moved.append(ready(step) if cp is None else ready_shard(step))
     its = [iter(moved) for _ in range(num_model_chunks)]
     return its[0] if num_model_chunks == 1 else its
 
@@ -215,12 +269,14 @@ def thd_schedule_inputs(
     """``(forward_step_func, data_iterator)`` of flat micro-batches run as packed THD sequences
     (:func:`~megatron_tree.mcore.packed_seq.thd_packed_seq_params`): padded as :func:`tree_data_iterators`
     pads, the model called with ``packed_seq_params`` and no mask or positions."""
-    items = []
-    for mb in mbs:
-        mb = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
-        params = thd_packed_seq_params(mb)
+    def ready(mb: TreeMicroBatch) -> tuple[TreeMicroBatch, PackedSeqParams]:
+        padded = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
+        params = thd_packed_seq_params(padded)
         params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device)  # one tensor, both roles
-        items.append((mb.to(device), params))
+        return padded.to(device), params
+
+    items = [device_copy(mb, ("thd", _padded_length(mb, pad_to, pad_multiple), str(device)), lambda mb=mb: ready(mb))
+             for mb in mbs]
 
     def forward_step(data_iterator, model):
         mb, params = next(data_iterator)

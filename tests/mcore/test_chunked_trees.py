@@ -330,3 +330,49 @@ def test_sequence_normalised_loss_without_whole_counts_is_refused_on_chunks(chec
         from megatron_tree.mcore.chunk_schedule import release_chunks
 
         release_chunks()
+
+
+def test_passes_over_one_batch_move_and_prepare_its_micro_batches_once(checkpoints, batch, monkeypatch):
+    """An RL step runs several passes over one batch's micro-batches (old and reference log-probs, values, the
+    updates): the first moves each micro-batch to the device and prepares its mask, the later passes reuse both, also
+    with more chunks than the mask cache keeps for masks nobody holds (without the schedule's hold the second pass
+    prepared every chunk's mask again). A host micro-batch edited in place is copied again; freed micro-batches
+    release their masks."""
+    import gc
+
+    from megatron_tree.attention import PREPARED_MASKS
+    from megatron_tree.core.microbatch import TreeMicroBatch
+
+    seqs = batch[0]
+    mbs = chunked(seqs, 0)  # every chunk also runs its forward again before its backward
+    assert len(mbs) > 2 * PREPARED_MASKS.capacity
+    model = build_model(checkpoints["qwen3"], tree=True)[0].train()
+    moves, prepares = [], []
+    to, lookup = TreeMicroBatch.to, PREPARED_MASKS.lookup
+    monkeypatch.setattr(TreeMicroBatch, "to", lambda self, *a, **k: moves.append(id(self)) or to(self, *a, **k))
+    monkeypatch.setattr(PREPARED_MASKS, "lookup",
+                        lambda tensor, tag, make: lookup(tensor, tag, lambda: prepares.append(tag) or make()))
+    with torch.no_grad():
+        first = tree_forward_only([model], mbs)
+    counts = [(len(moves), len(prepares))]
+    with torch.no_grad():
+        second = tree_forward_only([model], mbs)
+    chunked_step(model, mbs, seqs)
+    counts.append((len(moves), len(prepares)))
+    assert counts == [(len(mbs), len(mbs))] * 2, counts  # one move and one prepared mask per chunk, in all
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+    mbs[3].input_ids.add_(0)  # an in-place edit (bumps the version): that micro-batch is moved again
+    with torch.no_grad():
+        tree_forward_only([model], mbs)
+    assert moves[len(mbs):] == [id(mbs[3])]
+
+    masks = [mb.context_mask for mb in mbs]  # alive: their memory is not reused while the check runs
+    places = {(str(t.device), t.data_ptr()) for t in masks}
+    assert places <= set(PREPARED_MASKS._held)
+    del mbs, first, second
+    gc.collect()
+    with torch.no_grad():  # the next pass releases what the freed micro-batches held
+        tree_forward_only([model], pack_trees(seqs[:2], MicroBatchSpec(max_tokens_per_mb=4096)))
+    assert not places & set(PREPARED_MASKS._held)
+    assert not [k for k in PREPARED_MASKS._entries if (k[1], k[2]) in places]
