@@ -102,14 +102,14 @@ def main():
                 extra, fewest = 0.0, 0.0
                 for run in (s for s in runs if isinstance(s, list)):
                     forward = np.array([forwards[id(mb)] for mb in run])
-                    extra += float(forward[[mb.chunk.recompute for mb in run]].sum())
+                    extra += float(forward[[mb.reruns_forward for mb in run]].sum())
                     least = fewest_extra_flops(run, forward, cap if max_kept is None else max_kept)
                     fewest = None if fewest is None or least is None else fewest + least
                 rows.append(dict(workload=name, max_tokens_per_mb=cap, max_kept_tokens=kept_name,
                                  micro_batches=len(mbs), chunks=len(chunks),
                                  chunks_exporting_nothing=sum(mb.export_slots is None or mb.export_slots.numel() == 0
                                                               for mb in chunks),
-                                 chunks_recomputed=sum(mb.chunk.recompute for mb in chunks),
+                                 chunks_recomputed=sum(mb.reruns_forward for mb in chunks),
                                  recomputed_tokens=stats.recomputed_tokens,
                                  extra_forward=round(stats.recomputed_tokens / stats.tree_tokens, 3),
                                  extra_forward_flops=round(extra / step_flops, 4),

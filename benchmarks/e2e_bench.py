@@ -393,8 +393,7 @@ def main():
                                  peak_mem_gib=peak, micro_batches=len(mbs), max_mb_slots=max(mb.num_slots for mb in mbs),
                                  computed_tokens=computed_tokens, computed_pairs=computed_pairs,
                                  recomputed_tokens=PackingStats.of(mbs).recomputed_tokens,
-                                 recomputed_pairs=float(sum(chunk_pairs(mb) for mb in mbs
-                                                            if mb.chunk is not None and mb.chunk.recompute)),
+                                 recomputed_pairs=float(sum(chunk_pairs(mb) for mb in mbs if mb.reruns_forward)),
                                  tflops_per_s=flops / step_s / 1e12)
                 if args.profile:
                     row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))

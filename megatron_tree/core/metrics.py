@@ -83,7 +83,7 @@ class PackingStats:
             original_tokens=original,
             tree_tokens=tree,
             tree_token_ratio=tree / original if original else 1.0,
-            recomputed_tokens=sum(mb.num_tokens for mb in mbs if mb.chunk is not None and mb.chunk.recompute),
+            recomputed_tokens=sum(mb.num_tokens for mb in mbs if mb.reruns_forward),
             padded_tokens=padded,
             wasted_tokens=padded - tree,
             balance=BalanceStats.of([mb.num_tokens for mb in mbs], max_tokens_per_mb),

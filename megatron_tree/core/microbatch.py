@@ -138,6 +138,11 @@ class TreeMicroBatch:
         return self.input_ids.shape[1]
 
     @property
+    def reruns_forward(self) -> bool:
+        """A chunk that runs its forward again right before its backward (``TreeChunk.recompute``)."""
+        return self.chunk is not None and self.chunk.recompute
+
+    @property
     def num_original_tokens(self) -> int:
         """Tokens the held sequences (parts of sequences, in a chunk) have before prefix sharing."""
         return sum(self.seq_lens)

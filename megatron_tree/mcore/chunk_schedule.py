@@ -78,7 +78,7 @@ class ChunkedTree:
         """Whether each chunk runs its forward again before its backward."""
         if self.recompute is not None:
             return list(self.recompute)
-        return [mb.chunk is not None and mb.chunk.recompute for mb in self.chunks]
+        return [mb.reruns_forward for mb in self.chunks]
 
 
 def schedule_steps(mbs: list[TreeMicroBatch]) -> list[TreeMicroBatch | list[TreeMicroBatch]]:
