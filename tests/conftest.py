@@ -22,6 +22,7 @@ import two_pass
 GPU_PASS = two_pass.hide_cuda_for_pass_one()  # before torch touches CUDA in this process
 two_pass.hide_transformer_engine()  # in the CPU pass, as on CI: before anything imports TE
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 pytest_plugins = ["instant_failures"]  # a failure's test and error line as soon as it fails
@@ -64,6 +65,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if rc is not None:
         outcome = {0: "passed", 5: "no gpu test selected"}.get(rc, f"FAILED (exit code {rc}, its output above)")
         terminalreporter.write_line(f"GPU pass (the gpu tests, CUDA visible): {outcome}")
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global RNG state (torch, CUDA included, and numpy's legacy one), whatever ran
+    before it: a test drawing from them sees the same numbers alone, in the whole suite, or in the GPU pass."""
+    torch.manual_seed(0)
+    np.random.seed(0)
 
 
 @pytest.fixture(autouse=True)

@@ -36,21 +36,30 @@ def local_spec_overrides() -> dict[str, Any]:
 
 def te_overrides(*, moe: bool, wrap_with_ddp: bool) -> dict[str, Any]:
     """``TransformerConfig`` overrides for the Transformer Engine spec on GPUs: the fused paths
-    Megatron's training scripts turn on by default.
+    Megatron's training scripts turn on by default, but one.
 
     Fused RoPE (TE's sbhd kernel takes the per-token table tree RoPE gathers, batch 1),
-    bias-activation and bias-dropout fusion, gradient-accumulation fusion when the model is
-    wrapped in Megatron's DDP (it writes into ``param.main_grad``, which only DDP allocates) and
-    apex's ``fused_weight_gradient_mlp_cuda`` is installed (megatron-core's output layer needs it);
+    bias-activation fusion (one compiled SwiGLU kernel each way instead of several), gradient-accumulation
+    fusion when the model is wrapped in Megatron's DDP (it writes into ``param.main_grad``, which only DDP
+    allocates) and apex's ``fused_weight_gradient_mlp_cuda`` is installed (megatron-core's output layer needs it);
     for MoE TE's grouped-GEMM experts (``TEGroupedMLP``, whose weights mbridge maps), the
     all-to-all dispatcher with fused permutation and variable micro-batch lengths. mbridge
     keeps sequence parallel on whenever TP > 1; the schedule pads micro-batches to a multiple
     of TP for it.
+
+    Bias-dropout fusion stays off: megatron-core's fused bias-dropout-add is a ``torch.compile`` d function, and
+    every call pays Dynamo's guards and AOT autograd's wrappers on the host (``benchmarks/bias_dropout_host.py`` on a
+    CPU: 191 us a forward call against 23 us eager, 421 / 137 us forward + backward) for what the eager path also runs
+    as one add kernel: the
+    models mbridge builds have no output-projection biases (``add_bias_linear=False``) and RL training no hidden
+    dropout (``F.dropout`` with p = 0 returns its input). A layer calls it twice (attention and MLP residuals), four
+    times with full recompute, so a step of many small calls (micro-batches of a few thousand tokens, the chunks of
+    trees larger than a micro-batch) waits on the host for it.
     """
     extra: dict[str, Any] = dict(
         apply_rope_fusion=True,
         bias_activation_fusion=True,
-        bias_dropout_fusion=True,
+        bias_dropout_fusion=False,
         # megatron-core's own linears (the output layer) need apex's CUDA extension for it.
         gradient_accumulation_fusion=wrap_with_ddp and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
     )

@@ -90,10 +90,10 @@ _log = logging.getLogger(__name__)
 _ANNOUNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-_DEVICE_COPIES: dict[int, tuple[weakref.ref, dict[tuple, tuple[tuple[int, ...], Any]]]] = {}
+_DEVICE_COPIES: dict[int, tuple[weakref.ref, dict[tuple, tuple[tuple[int | None, ...], Any]]]] = {}
 """``id(host micro-batch) -> (a weak reference to it, {key: (its tensors' versions, its device copy)})``
 (:func:`device_copy`)."""
-_FREED_COPIES: list[dict[tuple, tuple[tuple[int, ...], Any]]] = []
+_FREED_COPIES: list[dict[tuple, tuple[tuple[int | None, ...], Any]]] = []
 """Device copies of freed host micro-batches whose masks the next :func:`device_copy` releases (not the weak
 reference's callback: that may run inside the mask cache's own bookkeeping, from the garbage collector)."""
 
@@ -112,7 +112,8 @@ def device_copy(mb: TreeMicroBatch, key: tuple, make: Callable[[], Any]) -> Any:
     if entry is None or entry[0]() is not mb:
         entry = _DEVICE_COPIES[id(mb)] = (weakref.ref(mb, functools.partial(_forget_device_copies, id(mb))), {})
     copies = entry[1]
-    versions = tuple(t._version for t in vars(mb).values() if isinstance(t, torch.Tensor))
+    tensors = [t for t in vars(mb).values() if isinstance(t, torch.Tensor)]
+    versions = tuple(None if t.is_inference() else t._version for t in tensors)  # inference tensors have none
     if key in copies and copies[key][0] != versions:  # mb's tensors were edited in place since: copy again
         PREPARED_MASKS.release(_masks(copies.pop(key)[1]))
     if key not in copies:

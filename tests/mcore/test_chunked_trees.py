@@ -367,6 +367,11 @@ def test_passes_over_one_batch_move_and_prepare_its_micro_batches_once(checkpoin
         tree_forward_only([model], mbs)
     assert moves[len(mbs):] == [id(mbs[3])]
 
+    with torch.inference_mode():  # packed where rollouts are made: inference tensors have no version counter
+        packed_in_inference = chunked(seqs)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(tree_forward_only([model], packed_in_inference), first))
+
     masks = [mb.context_mask for mb in mbs]  # alive: their memory is not reused while the check runs
     places = {(str(t.device), t.data_ptr()) for t in masks}
     assert places <= set(PREPARED_MASKS._held)
