@@ -190,7 +190,7 @@ def _recurrent_link(info: TreeChunk, links: list[ChunkLink], device: torch.devic
     """A chunk's ``ChunkLink`` fields for recurrent layers: its state exports, and its carried states as
     ``(source store, rows)`` per source chunk (``info.carried`` is root first, so each source's rows are
     consecutive)."""
-    carried = [(links[s].store, torch.tensor([row for _, row in rows], device=device))
+    carried = [(links[s].store, torch.tensor([row for _, row in rows]).to(device, non_blocking=True))  # no host sync
                for s, rows in itertools.groupby(info.carried, key=lambda pair: pair[0])]
     return {"state_exports": info.state_exports, "carried": carried}
 

@@ -40,7 +40,8 @@ def _flatten(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], mb: TreeM
     (with entropy) its entropies, so each sequence is one contiguous range (scores: of the sequences that
     end here)."""
     if head == "scores" and mb.sequence_ends is not None:
-        return output.float()[torch.tensor(mb.sequence_ends, dtype=torch.bool, device=output.device)]
+        ends = [i for i, end in enumerate(mb.sequence_ends) if end]  # an index, not a bool mask: no host sync
+        return output.float()[torch.tensor(ends, dtype=torch.long).to(output.device, non_blocking=True)]
     if not isinstance(output, tuple):
         return output.float()
     logprobs, entropy = (o.float() for o in output)

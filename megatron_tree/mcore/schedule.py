@@ -90,6 +90,10 @@ _log = logging.getLogger(__name__)
 _ANNOUNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
+_ASYNC = dict(non_blocking=True)
+"""Host-to-GPU copies of host (pageable) tensors: staged at once, without waiting for the kernels queued before them
+(a blocking copy synchronises the stream: the host would wait for the GPU before every micro-batch)."""
+
 _DEVICE_COPIES: dict[int, tuple[weakref.ref, dict[tuple, tuple[tuple[int | None, ...], Any]]]] = {}
 """``id(host micro-batch) -> (a weak reference to it, {key: (its tensors' versions, its device copy)})``
 (:func:`device_copy`)."""
@@ -158,12 +162,12 @@ def tree_data_iterators(
 
     def ready(mb: TreeMicroBatch) -> TreeMicroBatch:
         length = _padded_length(mb, pad_to, pad_multiple)
-        return device_copy(mb, ("tree", length, str(device)), lambda: mb.padded_to(length).to(device))
+        return device_copy(mb, ("tree", length, str(device)), lambda: mb.padded_to(length).to(device, **_ASYNC))
 
     def ready_shard(mb: TreeMicroBatch) -> tuple[TreeMicroBatch, ContextParallelShard]:
         length = _padded_length(mb, pad_to, pad_multiple)
         return device_copy(mb, ("cp", length, str(device), cp), lambda: (
-            ready(mb), shard_micro_batch(mb.padded_to(length), cp[1], cp[0]).to(device)))
+            ready(mb), shard_micro_batch(mb.padded_to(length), cp[1], cp[0]).to(device, **_ASYNC)))
 
     steps = schedule_steps(list(mbs))
     moved = []
@@ -273,8 +277,8 @@ def thd_schedule_inputs(
     def ready(mb: TreeMicroBatch) -> tuple[TreeMicroBatch, PackedSeqParams]:
         padded = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
         params = thd_packed_seq_params(padded)
-        params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device)  # one tensor, both roles
-        return padded.to(device), params
+        params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device, **_ASYNC)  # both roles
+        return padded.to(device, **_ASYNC), params
 
     items = [device_copy(mb, ("thd", _padded_length(mb, pad_to, pad_multiple), str(device)), lambda mb=mb: ready(mb))
              for mb in mbs]
@@ -387,7 +391,8 @@ def tree_loss_func(
                 f"loss_fn's loss_sum must be a scalar tensor (a sum over the batch's tokens or "
                 f"sequences), got shape {tuple(getattr(loss, 'shape', ()))}"
             )
-        count = torch.as_tensor(count, dtype=torch.int, device=loss.device).reshape(())
+        count = (count.to(loss.device, torch.int, **_ASYNC) if isinstance(count, torch.Tensor)
+                 else torch.full((), int(count), dtype=torch.int, device=loss.device)).reshape(())
         loss = loss.reshape(())
         report = torch.stack([loss.detach().float(), count.float()])
         if shard is not None and shard.rank:

@@ -49,8 +49,7 @@ class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         angles = positions[..., None] * freqs  # [3, b, S, F]
-        axis = torch.repeat_interleave(torch.arange(3, device=freqs.device),
-                                       torch.tensor(mrope_section, device=freqs.device))
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section)).to(freqs.device, non_blocking=True)
         picked = angles.gather(0, axis.expand(1, *angles.shape[1:]))[0]  # [b, S, F]
         return picked.repeat_interleave(2, -1).transpose(0, 1)[:, :, None].contiguous()
 

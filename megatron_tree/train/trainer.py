@@ -176,8 +176,8 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
     def loss_fn(logprobs, mb):
         index = torch.from_numpy(mb.target_index(offsets))  # a chunk holds parts of sequences
 
-        def at(t):
-            return None if t is None else t[index].to(logprobs.device)
+        def at(t):  # non-blocking: a blocking copy to the GPU waits for the kernels queued before it
+            return None if t is None else t[index].to(logprobs.device, non_blocking=True)
 
         loss_mask = at(mask)
         if train.loss == "sft":
@@ -185,7 +185,7 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
             return loss, m["normalizer"]
         current = logprobs.detach()
         old_lp = current if old is None else torch.where(torch.isnan(at(old)), current, at(old))
-        adv = advantages[mb.sequence_ids].to(logprobs)
+        adv = advantages[mb.sequence_ids].to(logprobs.device, logprobs.dtype, non_blocking=True)
         per_token = adv.repeat_interleave(mb.cu_targets.diff().long(), output_size=logprobs.numel())
         loss, m = ppo_clip_loss(logprobs, old_lp, per_token, mb.cu_targets, loss_mask=loss_mask,
                                 clip_eps=train.clip_eps, reduction="sum")
