@@ -367,8 +367,8 @@ def _prepare_context_parallel(backend: TreeAttentionBackend, mask: torch.Tensor,
 
 # Four entries of masks nobody holds: the micro-batch in flight plus one whose backward (and recompute) is
 # pending, each with up to two masks (a model alternating sliding-window and full layers). The schedule holds the
-# masks of the micro-batches it moved to the device while their host micro-batches live (megatron_tree.mcore.schedule:
-# every pass over them reuses what was prepared). PREPARED_MASKS.clear() frees the cached masks.
+# masks of the batch it last moved to the device (megatron_tree.mcore.schedule.device_copy: every pass over the same
+# micro-batches reuses what was prepared). PREPARED_MASKS.clear() frees the cached masks.
 PREPARED_MASKS = _PreparedMaskCache(capacity=4)
 
 

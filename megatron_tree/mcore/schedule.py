@@ -7,7 +7,7 @@ last stage calls ``loss_func(output)``. Here:
 
 * :func:`tree_data_iterators` gives each model chunk its own iterator over the same
   micro-batches (moved to the device, padded to one length when the schedule needs it; once per
-  micro-batch object, every later pass over it reuses the copy and its prepared masks: :func:`device_copy`);
+  micro-batch object: later passes over the same batch reuse the copy and its prepared masks, :func:`device_copy`);
 * :func:`tree_forward_step` runs the model with the tree mask and depths as positions,
   and its loss function gathers per-sequence log-probs (vocab-parallel; or, with ``head=``,
   a critic's per-token values or a reward model's scores) and applies the user's loss;
@@ -105,10 +105,10 @@ reference's callback: that may run inside the mask cache's own bookkeeping, from
 def device_copy(mb: TreeMicroBatch, key: tuple, make: Callable[[], Any]) -> Any:
     """``make()`` (``mb`` padded and moved to the device: the schedule's item for it), made by the first pass over
     ``mb`` under ``key`` (what, padded length, device) and returned again to every later pass over the same micro-batch
-    object while it lives and its tensors are not edited in place: the passes of an RL step (old and reference
-    log-probs, values, scores, updates) move each micro-batch once, and what the attention backends prepared from
-    its mask is prepared once (:data:`~megatron_tree.attention.PREPARED_MASKS` holds the copy's masks until ``mb`` is
-    freed)."""
+    object while it lives, its tensors are not edited in place and no pass over other micro-batches ran in between
+    (:func:`keep_device_copies_of`): the passes of an RL step (old and reference log-probs, values, scores, updates)
+    move each micro-batch once, and what the attention backends prepared from its mask is prepared once
+    (:data:`~megatron_tree.attention.PREPARED_MASKS` holds the copy's masks while the copy is kept)."""
     while _FREED_COPIES:
         for _, copy in _FREED_COPIES.pop().values():
             PREPARED_MASKS.release(_masks(copy))
@@ -124,6 +124,14 @@ def device_copy(mb: TreeMicroBatch, key: tuple, make: Callable[[], Any]) -> Any:
         copies[key] = (versions, make())
         PREPARED_MASKS.hold(_masks(copies[key][1]))
     return copies[key][1]
+
+
+def keep_device_copies_of(mbs: Sequence[TreeMicroBatch]) -> None:
+    """Before a pass over ``mbs``: forget the device copies of every other micro-batch (a new batch replaces the last
+    one), so the GPU holds the copies of one batch at most, however many packed batches the caller keeps."""
+    keep = {id(mb) for mb in mbs}
+    for ident in [i for i in _DEVICE_COPIES if i not in keep]:
+        _FREED_COPIES.append(_DEVICE_COPIES.pop(ident)[1])
 
 
 def _forget_device_copies(ident: int, ref: weakref.ref) -> None:
@@ -169,6 +177,7 @@ def tree_data_iterators(
         return device_copy(mb, ("cp", length, str(device), cp), lambda: (
             ready(mb), shard_micro_batch(mb.padded_to(length), cp[1], cp[0]).to(device, **_ASYNC)))
 
+    keep_device_copies_of(mbs)
     steps = schedule_steps(list(mbs))
     moved = []
     for i, step in enumerate(steps):
@@ -280,6 +289,7 @@ def thd_schedule_inputs(
         params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device, **_ASYNC)  # both roles
         return padded.to(device, **_ASYNC), params
 
+    keep_device_copies_of(mbs)
     items = [device_copy(mb, ("thd", _padded_length(mb, pad_to, pad_multiple), str(device)), lambda mb=mb: ready(mb))
              for mb in mbs]
 

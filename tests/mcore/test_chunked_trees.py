@@ -336,9 +336,10 @@ def test_passes_over_one_batch_move_and_prepare_its_micro_batches_once(checkpoin
     """An RL step runs several passes over one batch's micro-batches (old and reference log-probs, values, the
     updates): the first moves each micro-batch to the device and prepares its mask, the later passes reuse both, also
     with more chunks than the mask cache keeps for masks nobody holds (without the schedule's hold the second pass
-    prepared every chunk's mask again). A host micro-batch edited in place is copied again; freed micro-batches
-    release their masks."""
+    prepared every chunk's mask again). A host micro-batch edited in place is copied again; a pass over another batch,
+    or freeing the micro-batches, releases the copies and their masks."""
     import gc
+    from types import SimpleNamespace
 
     from megatron_tree.attention import PREPARED_MASKS
     from megatron_tree.core.microbatch import TreeMicroBatch
@@ -367,17 +368,24 @@ def test_passes_over_one_batch_move_and_prepare_its_micro_batches_once(checkpoin
         tree_forward_only([model], mbs)
     assert moves[len(mbs):] == [id(mbs[3])]
 
+    def released(mbs_held) -> bool:
+        places = {(str(mb.context_mask.device), mb.context_mask.data_ptr()) for mb in mbs_held}
+        return not places & set(PREPARED_MASKS._held) and not [k for k in PREPARED_MASKS._entries
+                                                                if (k[1], k[2]) in places]
+
+    assert not released(mbs)
+    other = chunked(seqs[:3])
+    with torch.no_grad():  # a pass over another batch releases this one's, alive or not: one batch on the GPU at most
+        tree_forward_only([model], other)
+    assert released(mbs) and not released(other)
+    masks = [mb.context_mask for mb in other]  # alive: their memory is not reused while the check runs
+    del other
+    gc.collect()
+    with torch.no_grad():  # freed micro-batches release theirs at the next pass
+        tree_forward_only([model], mbs)
+    assert released([SimpleNamespace(context_mask=m) for m in masks])
+
     with torch.inference_mode():  # packed where rollouts are made: inference tensors have no version counter
         packed_in_inference = chunked(seqs)
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(tree_forward_only([model], packed_in_inference), first))
-
-    masks = [mb.context_mask for mb in mbs]  # alive: their memory is not reused while the check runs
-    places = {(str(t.device), t.data_ptr()) for t in masks}
-    assert places <= set(PREPARED_MASKS._held)
-    del mbs, first, second
-    gc.collect()
-    with torch.no_grad():  # the next pass releases what the freed micro-batches held
-        tree_forward_only([model], pack_trees(seqs[:2], MicroBatchSpec(max_tokens_per_mb=4096)))
-    assert not places & set(PREPARED_MASKS._held)
-    assert not [k for k in PREPARED_MASKS._entries if (k[1], k[2]) in places]
