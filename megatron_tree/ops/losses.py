@@ -146,9 +146,12 @@ def _reduce(
             if value is not None and (not isinstance(value, torch.Tensor) or value.shape != (num_seqs,)):
                 raise ValueError(f"{name} must be a tensor [n={num_seqs}] (one entry per sequence of cu_seqlens); "
                                  f"got {type(value).__name__} shape {tuple(getattr(value, 'shape', ()))}.")
-        whole = seq_count if sequence_loss_tokens is None else sequence_loss_tokens.to(seq_count)
+        # non-blocking: host tensors reach the GPU without waiting for the kernels queued before them
+        whole = seq_count if sequence_loss_tokens is None else sequence_loss_tokens.to(
+            seq_count.device, seq_count.dtype, non_blocking=True)
         numerator = (seq_sum / whole.clamp(min=1)).sum()
-        counted = whole > 0 if counts_sequence is None else (whole > 0) & counts_sequence.to(whole.device, torch.bool)
+        counted = whole > 0 if counts_sequence is None else (whole > 0) & counts_sequence.to(
+            whole.device, torch.bool, non_blocking=True)
         normalizer = counted.sum()
     normalizer = normalizer.long()
     loss = numerator if reduction == "sum" else numerator / normalizer.clamp(min=1)
