@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
@@ -152,6 +154,41 @@ def test_mask_prepared_once_per_micro_batch_and_shared_by_recompute(monkeypatch)
     assert len(calls) == 2
     dense = get_tree_attention_backend("dense")
     assert PREPARED_MASKS.get(dense, mask) is PREPARED_MASKS.get(dense, mask.detach())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lookup", "hold", "release"]), st.integers(0, 5)), max_size=40))
+def test_held_masks_keep_their_entries_and_the_rest_stay_within_capacity(ops):
+    """The mask cache against a model of it: a held mask's entry is never evicted (a lookup finds it without preparing
+    again) and goes when its last hold is released; at most ``capacity`` entries of masks nobody holds stay, the
+    least recently used go first."""
+    from megatron_tree.attention.dispatch import _PreparedMaskCache
+
+    cache, masks = _PreparedMaskCache(capacity=2), [torch.arange(1, 5, dtype=torch.int32)[None] + i for i in range(6)]
+    held, loose, prepared = [0] * 6, [], {}  # hold counts, unheld cached masks (least recent first), made objects
+    for op, i in ops:
+        if op == "hold":
+            cache.hold([masks[i]])
+            if not held[i] and i in loose:
+                loose.remove(i)
+            held[i] += 1
+        elif op == "release" and held[i]:
+            cache.release([masks[i]])
+            held[i] -= 1
+            if not held[i]:
+                prepared.pop(i, None)
+        elif op == "lookup":
+            made = []
+            got = cache.lookup(masks[i], ("t",), lambda: made.append(object()) or made[-1])
+            assert bool(made) == (i not in prepared), (op, i)  # prepared again exactly when not cached
+            prepared[i] = got
+            if not held[i]:
+                loose = [j for j in loose if j != i] + [i]
+                for j in loose[: max(0, len(loose) - 2)]:
+                    prepared.pop(j)
+                loose = loose[-2:]
+        cached = {j for j in range(6) if any((k[1], k[2]) == ("cpu", masks[j].data_ptr()) for k in cache._entries)}
+        assert cached == set(prepared), (ops, cached, set(prepared))
 
 
 def test_dropout_only_in_training():
