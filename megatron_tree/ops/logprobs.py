@@ -184,12 +184,14 @@ def _backward_kernel(
     temperature: float,
     chunk_rows: int,
     inplace: bool,
+    whole_vocab: bool,
 ) -> torch.Tensor:
     """Gradient wrt the local shard ``logits [T, V_l]`` (same dtype), computed locally.
 
     lse / row_entropy [R] fp32 from the forward; grad_logprobs / grad_entropy [N] or None
     (an output that did not reach the loss). ``inplace`` writes the gradient over ``logits``
-    (each chunk after reading it) and returns ``logits``; else over a copy of them.
+    (each chunk after reading it) and returns ``logits``; else over a copy of them. ``whole_vocab``: the shard is the
+    whole vocabulary (no tensor parallelism), so every label is in it.
     """
     rows, vocab_local = lse.numel(), logits.shape[1]
     grad = logits if inplace else logits.clone()  # each chunk is then overwritten in place
@@ -209,20 +211,35 @@ def _backward_kernel(
         # prefix slot predicts the same label for every sequence through it), read before
         # the chunks overwrite an in-place grad, and written once after them.
         local_col, owned = _shard_columns(labels, vocab_start, vocab_local)
-        keys, inverse = torch.unique((slots * vocab_local + local_col)[owned], return_inverse=True)
-        target_grad = torch.zeros(keys.numel(), dtype=torch.float32, device=logits.device)
-        target_grad.index_add_(0, inverse, grad_logprobs.float()[owned])
-        target_row, target_col = keys // vocab_local, keys % vocab_local
+        if whole_vocab:  # every label in this shard: no host sync (no size that depends on the data)
+            target_row, target_col = slots, local_col
+            target_grad = _position_sums(slots * vocab_local + local_col, grad_logprobs.float())
+        else:
+            keys, inverse = torch.unique((slots * vocab_local + local_col)[owned], return_inverse=True)
+            target_grad = torch.zeros(keys.numel(), dtype=torch.float32, device=logits.device)
+            target_grad.index_add_(0, inverse, grad_logprobs.float()[owned])
+            target_row, target_col = keys // vocab_local, keys % vocab_local
         target_logit = logits[target_row, target_col]
 
     chunk_grad_ = _kernel(_chunk_grad_, logits.device)
     for start in range(0, rows, chunk_rows):
         chunk = slice(start, min(start + chunk_rows, rows))
         chunk_grad_(grad[chunk], terms[chunk], temperature)
-    if grad_logprobs is not None:
+    if grad_logprobs is not None:  # targets at one position write the same value
         value = _grad_values(target_logit[:, None], terms[target_row], temperature)[:, 0]
         grad[target_row, target_col] = (value + target_grad / temperature).to(grad.dtype)
     return grad
+
+
+def _position_sums(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[N]``: for each entry, the sum of ``values`` over every entry with its key (``keys`` int ``[N]``), in fp32;
+    sorted by key and summed per run, without a host sync."""
+    ordered, order = keys.sort(stable=True)  # a run keeps its entries in order: the sums add as index_add_ does
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    run = first.cumsum(0) - 1  # each sorted entry's run
+    sums = torch.zeros(keys.numel(), dtype=torch.float32, device=keys.device).index_add_(0, run, values[order])
+    return torch.empty_like(sums).index_put_((order,), sums[run])
 
 
 class _TreeLogprobs(torch.autograd.Function):
@@ -238,6 +255,7 @@ class _TreeLogprobs(torch.autograd.Function):
         )
         ctx.save_for_backward(logits, slots, labels, lse, row_entropy)
         ctx.vocab_start, ctx.temperature, ctx.chunk_rows, ctx.inplace = vocab_start, temperature, chunk_rows, inplace
+        ctx.whole_vocab = tp_group is None or dist.get_world_size(tp_group) == 1
         return (logprobs, entropy) if with_entropy else logprobs
 
     @staticmethod
@@ -247,7 +265,7 @@ class _TreeLogprobs(torch.autograd.Function):
         logits, slots, labels, lse, row_entropy = ctx.saved_tensors
         grad = _backward_kernel(
             logits, slots, labels, ctx.vocab_start, lse, row_entropy,
-            grad_logprobs, grad_entropy, ctx.temperature, ctx.chunk_rows, ctx.inplace,
+            grad_logprobs, grad_entropy, ctx.temperature, ctx.chunk_rows, ctx.inplace, ctx.whole_vocab,
         )  # fmt: skip
         return (grad,) + (None,) * 9
 

@@ -55,6 +55,21 @@ def test_many_targets_per_slot_flat_api():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_whole_vocabulary_backward_sums_duplicate_targets_without_unique(dtype):
+    """Without tensor parallelism the backward sums the targets at one (slot, label) by sorting (no host sync); the
+    gradient is bitwise the one of the tensor-parallel path (``torch.unique``), each position rounded once."""
+    from megatron_tree.ops.logprobs import _backward_kernel, _forward_kernel
+
+    gen = torch.Generator().manual_seed(1)
+    logits = (2 * torch.randn(5, 9, generator=gen)).to(dtype)
+    slots, labels = torch.randint(0, 4, (300,), generator=gen), torch.randint(0, 9, (300,), generator=gen)
+    _, _, lse, _ = _forward_kernel(logits, slots, labels, 0, 4, 1.3, False, 2, None)
+    grads = [_backward_kernel(logits, slots, labels, 0, lse, None, torch.randn(300, generator=gen.manual_seed(2)),
+                              None, 1.3, 2, False, whole) for whole in (True, False)]
+    assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_caller_logits_unchanged(dtype):
     (mb,) = micro_batches(BATCHES["grpo"], max_tokens=64)
     logits = torch.randn(1, mb.num_slots, 11).to(dtype).requires_grad_()
