@@ -90,16 +90,12 @@ _log = logging.getLogger(__name__)
 _ANNOUNCED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-_ASYNC = dict(non_blocking=True)
-"""Host-to-GPU copies of host (pageable) tensors: staged at once, without waiting for the kernels queued before them
-(a blocking copy synchronises the stream: the host would wait for the GPU before every micro-batch)."""
-
 _DEVICE_COPIES: dict[int, tuple[weakref.ref, dict[tuple, tuple[tuple[int | None, ...], Any]]]] = {}
 """``id(host micro-batch) -> (a weak reference to it, {key: (its tensors' versions, its device copy)})``
 (:func:`device_copy`)."""
 _FREED_COPIES: list[dict[tuple, tuple[tuple[int | None, ...], Any]]] = []
-"""Device copies of freed host micro-batches whose masks the next :func:`device_copy` releases (not the weak
-reference's callback: that may run inside the mask cache's own bookkeeping, from the garbage collector)."""
+"""Device copies of freed host micro-batches whose masks the next pass releases (:func:`keep_device_copies_of`; not the
+weak reference's callback: that may run inside the mask cache's own bookkeeping, from the garbage collector)."""
 
 
 def device_copy(mb: TreeMicroBatch, key: tuple, make: Callable[[], Any]) -> Any:
@@ -108,10 +104,8 @@ def device_copy(mb: TreeMicroBatch, key: tuple, make: Callable[[], Any]) -> Any:
     object while it lives, its tensors are not edited in place and no pass over other micro-batches ran in between
     (:func:`keep_device_copies_of`): the passes of an RL step (old and reference log-probs, values, scores, updates)
     move each micro-batch once, and what the attention backends prepared from its mask is prepared once
-    (:data:`~megatron_tree.attention.PREPARED_MASKS` holds the copy's masks while the copy is kept)."""
-    while _FREED_COPIES:
-        for _, copy in _FREED_COPIES.pop().values():
-            PREPARED_MASKS.release(_masks(copy))
+    (:data:`~megatron_tree.attention.PREPARED_MASKS` holds the copy's masks while the copy is kept). Moves are
+    non-blocking: a blocking copy of host (pageable) memory synchronises the stream, the host waiting for the GPU."""
     entry = _DEVICE_COPIES.get(id(mb))
     if entry is None or entry[0]() is not mb:
         entry = _DEVICE_COPIES[id(mb)] = (weakref.ref(mb, functools.partial(_forget_device_copies, id(mb))), {})
@@ -132,10 +126,13 @@ def keep_device_copies_of(mbs: Sequence[TreeMicroBatch]) -> None:
     keep = {id(mb) for mb in mbs}
     for ident in [i for i in _DEVICE_COPIES if i not in keep]:
         _FREED_COPIES.append(_DEVICE_COPIES.pop(ident)[1])
+    while _FREED_COPIES:  # with those of freed micro-batches
+        for _, copy in _FREED_COPIES.pop().values():
+            PREPARED_MASKS.release(_masks(copy))
 
 
 def _forget_device_copies(ident: int, ref: weakref.ref) -> None:
-    """The host micro-batch ``ident`` was freed: its device copies go, their masks with the next :func:`device_copy`."""
+    """The host micro-batch ``ident`` was freed: its device copies go, their masks with the next pass."""
     entry = _DEVICE_COPIES.get(ident)
     if entry is not None and entry[0] is ref:
         _FREED_COPIES.append(_DEVICE_COPIES.pop(ident)[1])
@@ -170,12 +167,13 @@ def tree_data_iterators(
 
     def ready(mb: TreeMicroBatch) -> TreeMicroBatch:
         length = _padded_length(mb, pad_to, pad_multiple)
-        return device_copy(mb, ("tree", length, str(device)), lambda: mb.padded_to(length).to(device, **_ASYNC))
+        return device_copy(mb, ("tree", length, str(device)),
+                           lambda: mb.padded_to(length).to(device, non_blocking=True))
 
     def ready_shard(mb: TreeMicroBatch) -> tuple[TreeMicroBatch, ContextParallelShard]:
         length = _padded_length(mb, pad_to, pad_multiple)
         return device_copy(mb, ("cp", length, str(device), cp), lambda: (
-            ready(mb), shard_micro_batch(mb.padded_to(length), cp[1], cp[0]).to(device, **_ASYNC)))
+            ready(mb), shard_micro_batch(mb.padded_to(length), cp[1], cp[0]).to(device, non_blocking=True)))
 
     keep_device_copies_of(mbs)
     steps = schedule_steps(list(mbs))
@@ -286,8 +284,8 @@ def thd_schedule_inputs(
     def ready(mb: TreeMicroBatch) -> tuple[TreeMicroBatch, PackedSeqParams]:
         padded = mb.padded_to(_padded_length(mb, pad_to, pad_multiple))
         params = thd_packed_seq_params(padded)
-        params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device, **_ASYNC)  # both roles
-        return padded.to(device, **_ASYNC), params
+        params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.to(device, non_blocking=True)  # both roles
+        return padded.to(device, non_blocking=True), params
 
     keep_device_copies_of(mbs)
     items = [device_copy(mb, ("thd", _padded_length(mb, pad_to, pad_multiple), str(device)), lambda mb=mb: ready(mb))
@@ -401,7 +399,7 @@ def tree_loss_func(
                 f"loss_fn's loss_sum must be a scalar tensor (a sum over the batch's tokens or "
                 f"sequences), got shape {tuple(getattr(loss, 'shape', ()))}"
             )
-        count = (count.to(loss.device, torch.int, **_ASYNC) if isinstance(count, torch.Tensor)
+        count = (count.to(loss.device, torch.int, non_blocking=True) if isinstance(count, torch.Tensor)
                  else torch.full((), int(count), dtype=torch.int, device=loss.device)).reshape(())
         loss = loss.reshape(())
         report = torch.stack([loss.detach().float(), count.float()])

@@ -183,8 +183,8 @@ def make_loss_fn(train: TrainConfig, batch: RolloutBatch, mine: np.ndarray, poli
         if train.loss == "sft":
             loss, m = sft_loss(logprobs, mb.cu_targets, loss_mask=loss_mask, reduction="sum")
             return loss, m["normalizer"]
-        current = logprobs.detach()
-        old_lp = current if old is None else torch.where(torch.isnan(at(old)), current, at(old))
+        current, old_here = logprobs.detach(), at(old)
+        old_lp = current if old_here is None else torch.where(torch.isnan(old_here), current, old_here)
         adv = advantages[mb.sequence_ids].to(logprobs.device, logprobs.dtype, non_blocking=True)
         per_token = adv.repeat_interleave(mb.cu_targets.diff().long(), output_size=logprobs.numel())
         loss, m = ppo_clip_loss(logprobs, old_lp, per_token, mb.cu_targets, loss_mask=loss_mask,
