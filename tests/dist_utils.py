@@ -41,8 +41,14 @@ TESTS_DIR = REPO_ROOT / "tests"
 def cpu_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess of the suite: CUDA hidden, one OpenMP thread, the repository
     root and ``tests/`` on ``PYTHONPATH``; ``extra`` on top."""
+    return gpu_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
+
+
+def gpu_env(**extra: str) -> dict[str, str]:
+    """The environment for a GPU test's subprocess: CUDA as the suite sees it, the repository root and ``tests/`` on
+    ``PYTHONPATH``; ``extra`` on top."""
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath, **extra}
+    return {**os.environ, "PYTHONPATH": pythonpath, **extra}
 
 
 def run_torchrun(

@@ -10,13 +10,13 @@ model, which the CPU suite cannot run: the local spec's attention has no THD).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import gpu_env
 
 pytestmark = pytest.mark.gpu
 
@@ -30,8 +30,7 @@ def schedule_parity(arch: str, tmp_path, *args: str) -> subprocess.CompletedProc
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0",
-           "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    env = gpu_env(NVIDIA_TF32_OVERRIDE="0")
     cmd = [sys.executable, str(TESTS_DIR / "scripts" / "schedule_parity.py"), "--arch", arch, "--ckpt",
            str(tmp_path / arch), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=TESTS_DIR.parent)

@@ -6,12 +6,12 @@ runs' (``--truth``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import gpu_env
 
 pytestmark = pytest.mark.gpu
 
@@ -21,8 +21,7 @@ GDN_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:
     """``tests/scripts/NAME args...`` with TF32 off and the repo and tests on the path (its output captured)."""
-    env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0",
-           "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    env = gpu_env(NVIDIA_TF32_OVERRIDE="0")
     return subprocess.run([sys.executable, str(TESTS_DIR / "scripts" / name), *args], capture_output=True, text=True,
                           env=env, timeout=900, cwd=TESTS_DIR.parent)
 

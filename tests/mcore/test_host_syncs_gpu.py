@@ -4,12 +4,12 @@ left is megatron-core's or PyTorch's (printed), none is megatron_tree's."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import gpu_env
 
 pytestmark = pytest.mark.gpu
 
@@ -21,8 +21,7 @@ def test_no_host_sync_in_megatron_tree(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    env = gpu_env()
     proc = subprocess.run([sys.executable, str(TESTS_DIR / "scripts" / "host_syncs.py"), "--ckpt", str(tmp_path / "ck")],
                           capture_output=True, text=True, env=env, timeout=600, cwd=TESTS_DIR.parent)
     out = proc.stdout + proc.stderr
