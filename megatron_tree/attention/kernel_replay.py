@@ -221,7 +221,7 @@ def _build(node, inputs: list[torch.Tensor], outs: list[torch.Tensor]):
         kind, i = node.root
         root = (inputs if kind == "in" else outs)[i]
         if node.offset == 0 and node.size == tuple(root.shape) and node.stride == root.stride():
-            return root
+            return root.detach()  # as the recorded call passed it: DLPack refuses tensors that require grad
         return root.detach().as_strided(node.size, node.stride, root.storage_offset() + node.offset)
     if isinstance(node, list):
         return [_build(x, inputs, outs) for x in node]
