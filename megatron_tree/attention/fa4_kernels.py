@@ -24,10 +24,6 @@ query heads (the kernel then writes each head's dK / dV directly) and adds the t
 query tiles per key tile on the 32k GRPO / multi-turn trees), so the atomic epilogue, the fills and the
 conversions cost more than the two copies and the add (two torch element-wise kernels, any memory order).
 
-The forward's per-call Python (~0.5 ms of host a call, which a small micro-batch's GPU waits for) runs once per
-geometry: later calls of the tree ``mask_mod`` s replay the recorded kernel call
-(:mod:`megatron_tree.attention.kernel_replay`).
-
 Mask (as the ``mask_mod`` s in :mod:`megatron_tree.attention.fa4`): query position ``p`` (its row,
 or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``kv`` iff
 ``kv <= p < subtree_end[kv]``.
@@ -53,7 +49,6 @@ from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
-from megatron_tree.attention.kernel_replay import KernelReplay
 from megatron_tree.core.patching import AttrPatch
 
 # The CuTe DSL re-traces jit functions from their source with this module's globals: everything the
@@ -164,27 +159,9 @@ def _add_head_pairs(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 # FA4's _flash_attn_bwd finds its kernel cache as an attribute of the function its module name holds (ours).
 _bwd_per_query_head.compile_cache = _ORIGINAL_BWD.compile_cache
 
-_ORIGINAL_FWD = fa4_interface._flash_attn_fwd
-
-
-def _fwd_replayed(*args, mask_mod=None, **kwargs):
-    """FA4's ``_flash_attn_fwd``; for a tree ``mask_mod``, its kernel call replayed for calls of a geometry it has
-    run (:class:`~megatron_tree.attention.kernel_replay.KernelReplay`: every layer of a micro-batch after the first
-    skips FA4's per-call Python)."""
-    if id(mask_mod) not in _KINDS:
-        return _ORIGINAL_FWD(*args, mask_mod=mask_mod, **kwargs)
-    return _FWD_REPLAY(*args, mask_mod=mask_mod, **kwargs)
-
-
-# As the backward's: FA4's _flash_attn_fwd reads its kernel cache through its module name, which holds ours.
-_fwd_replayed.compile_cache = _ORIGINAL_FWD.compile_cache
-_FWD_REPLAY = KernelReplay(_ORIGINAL_FWD, cache_owner=_fwd_replayed)
-
 _SWAPS = (
     AttrPatch(AttentionMask, "apply_mask", _apply_mask,
               why="one subtree_end load per accumulator column for the tree mask_mods (SM90)"),
     AttrPatch(fa4_interface, "_flash_attn_bwd", _bwd_per_query_head,
               why="grouped K/V heads: backward per query head, dK / dV summed, for the tree mask_mods"),
-    AttrPatch(fa4_interface, "_flash_attn_fwd", _fwd_replayed,
-              why="the tree mask_mods' forward kernel call replayed per geometry (no per-call FA4 Python)"),
 )

@@ -163,36 +163,6 @@ def test_grouped_kv_backward_runs_per_query_head(monkeypatch, token_major):
 
 
 @requires_fa4
-@pytest.mark.parametrize("token_major", [False, True])
-def test_forward_replay_equals_fa4_own_call(monkeypatch, token_major):
-    """megatron_tree/attention/fa4_kernels.py replays the tree forward's kernel call for later calls of a geometry
-    (kernel_replay.KernelReplay): the same out bits as FA4's own _flash_attn_fwd on the same inputs, new values each
-    call, two trees, with and without autograd (GQA 16 / 8, head-major and Megatron's token-major memory)."""
-    from megatron_tree.attention import fa4_kernels as patch
-    from megatron_tree.attention.kernel_replay import KernelReplay
-
-    recordings = []
-    replay = KernelReplay(lambda *a, **kw: recordings.append(1) or patch._ORIGINAL_FWD(*a, **kw), patch._fwd_replayed)
-    monkeypatch.setattr(patch, "_FWD_REPLAY", replay)
-    for kind in ("grpo", "multi_turn"):
-        end = gpu_tree(kind)
-        prepared = fa4_tree_mask(end)
-        for seed in range(3):
-            base = bf16_inputs(end.shape[0], end.shape[0], 16, 8, 128, seed=seed)[:3]
-            if token_major:
-                base = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in base]
-            for grad in (False, True):
-                q, k, v = (x.bfloat16().requires_grad_(grad) for x in base)
-                with monkeypatch.context() as own:
-                    own.setattr(patch, "_FWD_REPLAY", patch._ORIGINAL_FWD)
-                    ref = fa4_tree_attention(q, k, v, prepared)
-                out = fa4_tree_attention(q, k, v, prepared)
-                assert torch.equal(out, ref), f"{kind} seed {seed} grad {grad}: replayed forward differs from FA4's"
-    assert len(recordings) == 4 and len(replay.plans) == 4, "one recording per tree and autograd mode, then replays"
-    assert all(replay.checked.values())
-
-
-@requires_fa4
 @pytest.mark.parametrize("head_major", [True, False])
 def test_head_pair_kernels_are_exact(head_major):
     """The per-query-head backward's two element-wise steps: K/V repeated to head pairs (bit copies) and dK / dV pairs
