@@ -14,18 +14,26 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
 from parity_common import VOCAB, build_model
 
+import megatron.core
+import megatron_tree
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.compat import apply_compat_patches
 from megatron_tree.mcore.forward_only import tree_forward_only
 from megatron_tree.mcore.schedule import tree_forward_backward
 from megatron_tree.runtime import init_distributed, save_tiny_hf_checkpoint
+
+PACKAGE_ROOTS = sorted({Path(package.__file__).resolve().parents[depth]
+                        for package, depth in ((megatron_tree, 1), (megatron.core, 2), (torch, 1))},
+                       key=lambda root: len(root.parts), reverse=True)
+"""The folders holding megatron_tree (the repository root), megatron and torch (site-packages), the deepest first: a
+virtual environment inside the repository is read from its site-packages."""
 
 
 def batch(vocab: int) -> list[list[int]]:
@@ -51,8 +59,14 @@ def steps(model, packs) -> None:
 
 
 def short(path: str) -> str:
-    """``.../site-packages/megatron/core/x.py`` -> ``megatron/core/x.py`` (and megatron_tree, torch, tests alike)."""
-    return re.sub(r"^.*?/(megatron_tree|megatron|torch|tests)/", r"\1/", path)
+    """``path`` from the folder that holds its package: ``megatron_tree/...`` (or ``tests/...``, beside it),
+    ``megatron/core/...``, ``torch/...``; any other path as it is. By the imported packages' own folders, not by the
+    names in the path (a checkout under ``/opt/torch/...`` still reads ``megatron_tree/...``)."""
+    file = Path(path).resolve()
+    for root in PACKAGE_ROOTS:
+        if file.is_relative_to(root):
+            return str(file.relative_to(root))
+    return path
 
 
 def main() -> None:
