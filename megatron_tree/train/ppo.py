@@ -82,22 +82,42 @@ def gae(
 
     ``rewards``, ``values``: [M] float, trajectory k at ``sum(lengths[:k]) + [0, lengths[k])``
     (one entry per step; the value after a trajectory's last step is 0). Returns
-    ``(advantages [M], returns [M])`` with ``A_t = sum_j (gamma lam)^j delta_{t+j}``,
-    ``delta_t = r_t + gamma V_{t+1} - V_t`` and returns ``A + V``. One vector op per step of the
-    longest trajectory.
+    ``(advantages [M], returns [M])`` in ``values``' dtype with ``A_t = sum_j (gamma lam)^j delta_{t+j}``,
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` and returns ``A + V``; computed in fp64 by
+    :func:`discounted_suffix_sum` (a few dozen vector ops for any trajectory length, not one per step).
     """
     n, width = len(lengths), max(lengths, default=0)
     lens = torch.tensor(lengths, device=values.device)
     valid = torch.arange(width, device=values.device)[None] < lens[:, None]  # [n, width]
-    r = values.new_zeros(n, width).masked_scatter_(valid, rewards.to(values.dtype))
-    v = values.new_zeros(n, width).masked_scatter_(valid, values)
+    r = values.new_zeros(n, width, dtype=torch.float64).masked_scatter_(valid, rewards.to(torch.float64))
+    v = values.new_zeros(n, width, dtype=torch.float64).masked_scatter_(valid, values.to(torch.float64))
     delta = r + gamma * torch.cat([v[:, 1:], v.new_zeros(n, 1)], 1) - v  # 0 past each trajectory's end
-    advantages = torch.zeros_like(delta)
-    running = delta.new_zeros(n)
-    for step in range(width - 1, -1, -1):
-        running = delta[:, step] + gamma * lam * running
-        advantages[:, step] = running
-    return advantages[valid], (advantages + v)[valid]
+    advantages = discounted_suffix_sum(delta, gamma * lam)
+    return advantages[valid].to(values.dtype), (advantages + v)[valid].to(values.dtype)
+
+
+def discounted_suffix_sum(x: torch.Tensor, discount: float, block: int = 64) -> torch.Tensor:
+    """``y[:, t] = sum_{j >= t} discount ** (j - t) * x[:, j]`` for ``x [n, W]`` (``discount`` in [0, 1]).
+
+    Blocked: within each block of ``block`` steps one matmul with the ``[block, block]`` matrix of powers gives the
+    block-local sums; the sums at the block starts are the same recurrence over ``W / block`` blocks with
+    ``discount ** block`` (solved the same way, recursively), and each step adds its block's carry times
+    ``discount ** (steps to the block's end)``. Use fp64 ``x`` (an fp32 matmul may run in TF32 on a GPU)."""
+    n, width = x.shape
+    if width == 0:
+        return x.clone()
+    size = min(block, width)
+    blocks = -(-width // size)
+    steps = torch.arange(size, device=x.device)
+    gap = steps[None, :] - steps[:, None]  # [t, j] = j - t
+    base = torch.tensor(discount, dtype=x.dtype, device=x.device)
+    powers = torch.where(gap >= 0, base ** gap.clamp(min=0), 0)  # [t, j] = discount^(j - t) for j >= t
+    local = torch.nn.functional.pad(x, (0, blocks * size - width)).view(n, blocks, size) @ powers.T
+    if blocks > 1:
+        starts = discounted_suffix_sum(local[:, :, 0], discount**size, block)  # y at each block's first step
+        carry = torch.nn.functional.pad(starts[:, 1:], (0, 1))  # y at the next block's first step (0 past the end)
+        local = local + carry[:, :, None] * base ** (size - steps)
+    return local.reshape(n, blocks * size)[:, :width]
 
 
 def timed(times: dict[str, float], name: str, device: torch.device, fn: Callable[[], Any]) -> Any:
