@@ -10,12 +10,17 @@
 #
 # fp32 runs turn TF32 off (NVIDIA_TF32_OVERRIDE=0). PPO_STEPS (default 4) sets the PPO run length; PART=ppo runs
 # step 3 alone. The summary gives the whole step's and each model pass's median (records' pass_*_s).
+# Two more parts, each alone, on PPO_CONFIG (FA4 staged first: benchmarks/fa4_stage.sh):
+#   PART=profile  benchmarks/ppo_profile.py, 2 warm-up steps then one with every pass profiled, tree and flat
+#                 (-> $OUT/ppo_profile.json: per pass wall / device busy / idle and the host ops the GPU waited on);
+#   PART=startup  benchmarks/startup_bench.py, each mode's first step with its kernel caches cold, then warm
+#                 (-> $OUT/startup.json; four launcher runs of 3 steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-LOG="$OUT/rl_passes_gpu.txt"
+LOG="$OUT/rl_passes_gpu$([ "${PART:-all}" = all ] || echo "_$PART").txt"  # PART=ppo: rl_passes_gpu_ppo.txt
 echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F)" | tee "$LOG"
 filter() { grep -E "RLPASSES|PATH|passed|failed|FAILED|Error|error:|Traceback" | grep -v -i warn; }
 parity() {  # parity LABEL: fp32 then bf16 (each path against the fp32 per-sequence results)
@@ -32,6 +37,12 @@ bash .te/te-setup.sh 2>&1 | grep -v -i warn | tail -1 | tee -a "$LOG"
 if [ "${PART:-all}" = all ]; then
   parity "TE (TE spec, cuDNN THD flat path)" te
 fi
+case "${PART:-all}" in
+  profile) python3 benchmarks/ppo_profile.py --config "${PPO_CONFIG:-configs/ppo_qwen3_0.6b_shape.yaml}" \
+             --warmup 2 --out "$OUT/ppo_profile.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
+  startup) python3 benchmarks/startup_bench.py --config "${PPO_CONFIG:-configs/ppo_qwen3_0.6b_shape.yaml}" \
+             --steps 3 --out "$OUT/startup.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
+esac
 for mode in tree-training no-tree-training; do
   echo "== PPO whole step, ${PPO_CONFIG:=configs/ppo_qwen3_0.6b_shape.yaml}, bf16, TE: --$mode" | tee -a "$LOG"
   timeout 420 python3 -m megatron_tree.train --config "$PPO_CONFIG" --steps "${PPO_STEPS:-4}" \
