@@ -9,16 +9,18 @@ ops the device waited on. Tree then flat (``--no-tree-training``), one process e
     python benchmarks/ppo_profile.py --config configs/ppo_qwen3_0.6b_shape.yaml \
         --out benchmarks/results/te/ppo_profile.json
 
-JSON: per mode the unprofiled steps' records (``steps``) and per pass the breakdown (``passes``: ``wall_ms``,
-``busy_ms``, ``kernels_ms``, ``idle_by_host_op``, ...; the profiler's host overhead widens every gap alike, so read
-idle time relatively). Printed: per pass wall / busy / idle ms, tree and flat. Needs a CUDA GPU (on CPU it runs,
-and profiles CPU ops: a smoke test of the harness).
+JSON: per mode every step's record (``steps``, the last one the profiled step) and per pass the breakdown
+(``passes``: ``wall_ms``, ``busy_ms``, ``kernels_ms``, ``idle_by_host_op``, ...; the profiler's host overhead widens
+every gap alike, so read idle time relatively). Printed: per pass wall / busy / idle ms, tree and flat, and the rest of
+the step (``step_s`` less its passes: packing, GAE, the optimizers, the records; median of the unprofiled steps after
+the first). Needs a CUDA GPU (on CPU it runs, and profiles CPU ops: a smoke test of the harness).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +102,12 @@ def main() -> None:
             p = result["modes"][mode]["passes"][name]
             cells.append(f"{p['wall_ms']:10.1f} {p['busy_ms']:10.1f} {p['wall_ms'] - p['busy_ms']:10.1f}")
         print(f"{name:<10}" + "".join(f"{c:>34}" for c in cells))
+    for mode in modes:  # the unprofiled steps after the first: the step outside its model passes
+        later = result["modes"][mode]["steps"][1:-1]
+        if later:
+            rest = statistics.median(r["step_s"] - sum(r[f"pass_{p}_s"] for p in PASSES) for r in later)
+            print(f"{mode}: rest of the step (packing, GAE, optimizers, records), median of {len(later)} unprofiled "
+                  f"step(s): {rest * 1e3:.1f} ms")
     for mode in modes:
         for name in PASSES:
             idle = result["modes"][mode]["passes"][name].get("idle_by_host_op", {}).get("outermost", {})
