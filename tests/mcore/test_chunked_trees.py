@@ -5,7 +5,8 @@ reads a context from earlier ones. Log-probs (``tree_forward_only``) and paramet
 (``tree_forward_backward``) equal each sequence run alone through the upstream model (1e-5); the same with
 the injected context gradients dropped is far off (the check can fail). Chunks waiting for their readers keep
 their activations up to ``max_kept_tokens`` (16 by default here, 0, or all); the others run their forward again
-before their backward: exact either way. Hybrid Gated DeltaNet models (Qwen3.5,
+before their backward: exact either way. Any forest (hypothesis: GRPO, forking conversations, random lists) in chunks
+of 2-9 slots equals its whole trees in one micro-batch. Hybrid Gated DeltaNet models (Qwen3.5,
 Qwen3-Next) the same on a smaller batch, and equal the whole tree in one micro-batch; zeroed carried recurrent
 states are far off.
 """
@@ -15,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from forests import any_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scripts.parity_common import (
     SLIDING_WINDOW_CASES,
     VOCAB,
@@ -101,6 +105,28 @@ def test_chunked_tree_equals_each_sequence_alone(arch, recompute, max_kept, chec
     print(f"{arch}/{recompute}/max_kept={max_kept}: {len(mbs)} chunks of <= {CAPACITY} slots, "
           f"{sum(mb.chunk.recompute for mb in mbs)} run again: logprob {lp_err:.3g}, relative grad {grad_err:.3g}")
     assert lp_err < TOL and grad_err < TOL
+
+
+@pytest.fixture(scope="module")
+def qwen3_tree(checkpoints):
+    return build_model(checkpoints["qwen3"], tree=True)[0].train()
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None)
+@given(any_batch, st.integers(2, 9), st.sampled_from([None, 0, KEEP_ALL]))
+def test_any_forest_in_chunks_equals_its_whole_trees(qwen3_tree, seqs, cap, max_kept):
+    """Any forest (GRPO prompts and samples, forking conversations, random token lists with accidental sharing and
+    duplicates), chunks of 2-9 slots, waiting chunks keeping 0 / the default / every graph: log-probs and parameter
+    gradients equal the whole trees' in one micro-batch (themselves tested against each sequence alone)."""
+    whole = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4096))
+    chunks = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, max_kept_tokens=max_kept))
+    with torch.no_grad():
+        got, want = (torch.cat([torch.zeros(0), *tree_forward_only([qwen3_tree], mbs)]) for mbs in (chunks, whole))
+    assert got.shape == want.shape
+    lp_err = float((got - want).abs().max()) if got.numel() else 0.0  # sequences of one token have no targets
+    grad_err = relative_grad_error(chunked_step(qwen3_tree, chunks, seqs), chunked_step(qwen3_tree, whole, seqs))
+    assert lp_err < TOL and grad_err < TOL, (len(chunks), lp_err, grad_err)
 
 
 @pytest.fixture(scope="module")
