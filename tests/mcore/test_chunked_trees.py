@@ -125,7 +125,11 @@ def test_any_forest_in_chunks_equals_its_whole_trees(qwen3_tree, seqs, cap, max_
         got, want = (torch.cat([torch.zeros(0), *tree_forward_only([qwen3_tree], mbs)]) for mbs in (chunks, whole))
     assert got.shape == want.shape
     lp_err = float((got - want).abs().max()) if got.numel() else 0.0  # sequences of one token have no targets
-    grad_err = relative_grad_error(chunked_step(qwen3_tree, chunks, seqs), chunked_step(qwen3_tree, whole, seqs))
+    got, want = chunked_step(qwen3_tree, chunks, seqs), chunked_step(qwen3_tree, whole, seqs)
+    # Relative per parameter, against at least 1e-2 of the largest gradient: on forests this small the q / k norms'
+    # weights get gradients of 1e-9 - 1e-7 (a repeated token: zero but for rounding), whose fp32 noise is no error.
+    floor = max(1e-2 * max(float(w.abs().max()) for w in want.values()), 1e-30)  # 0: no targets at all
+    grad_err = max(float((got[n] - w).abs().max()) / max(float(w.abs().max()), floor) for n, w in want.items())
     assert lp_err < TOL and grad_err < TOL, (len(chunks), lp_err, grad_err)
 
 
