@@ -30,6 +30,7 @@ from scripts.parity_common import (
     max_diff,
     param_grads,
     relative_grad_error,
+    relative_grad_error_floored,
     weighted_sum,
 )
 
@@ -114,9 +115,7 @@ def qwen3_tree(checkpoints):
 
 def chunks_vs_whole(model, seqs, cap, max_kept) -> tuple[int, float, float]:
     """``seqs`` in chunks of ``cap`` slots (``max_kept_tokens=max_kept``) against its whole trees in one micro-batch,
-    the same model: (chunks, log-prob error, gradient error). Gradients relative per parameter, against at least 1e-2
-    of the largest: on forests this small the q / k norms' weights get gradients of 1e-9 - 1e-7 (a repeated token:
-    zero but for rounding), whose fp32 noise is no error."""
+    the same model: (chunks, log-prob error, gradient error: :func:`relative_grad_error_floored`)."""
     whole = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4096))
     chunks = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, max_kept_tokens=max_kept))
     with torch.no_grad():
@@ -124,9 +123,7 @@ def chunks_vs_whole(model, seqs, cap, max_kept) -> tuple[int, float, float]:
     assert got.shape == want.shape
     lp_err = float((got - want).abs().max()) if got.numel() else 0.0  # sequences of one token have no targets
     got, want = chunked_step(model, chunks, seqs), chunked_step(model, whole, seqs)
-    floor = max(1e-2 * max(float(w.abs().max()) for w in want.values()), 1e-30)  # 0: no targets at all
-    grad_err = max(float((got[n] - w).abs().max()) / max(float(w.abs().max()), floor) for n, w in want.items())
-    return len(chunks), lp_err, grad_err
+    return len(chunks), lp_err, relative_grad_error_floored(got, want)
 
 
 any_chunking = (any_batch, st.integers(2, 9), st.sampled_from([None, 0, KEEP_ALL]))

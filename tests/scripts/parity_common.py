@@ -277,6 +277,17 @@ def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     return max(relative_error(got[n], want[n]) for n in want)
 
 
+def relative_grad_error_floored(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], floor: float = 1e-2) -> float:
+    """:func:`relative_grad_error` with each parameter's scale at least ``floor`` times the largest gradient of all: on
+    small random forests some weights get gradients of 1e-9 - 1e-7 (the q / k norms' on a repeated token: zero but for
+    rounding), whose fp32 noise is no error. 0 when every gradient is 0 (no targets)."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    least = floor * max((float(w.abs().max()) for w in want.values()), default=0.0)
+    if least == 0.0:
+        return max((float(g.abs().max()) for g in got.values()), default=0.0)
+    return max(float((got[n] - w).abs().max()) / max(float(w.abs().max()), least) for n, w in want.items())
+
+
 def tree_and_flat_backward(tree, flat, seqs: list[list[int]], mbs) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Backward of :func:`weighted_sum` through the tree model one micro-batch at a time (as training does), then
     through the flat model, each sequence alone; returns (tree log-probs, flat log-probs), gradients left in
