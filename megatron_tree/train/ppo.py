@@ -103,8 +103,9 @@ def discounted_suffix_sum(x: torch.Tensor, discount: float, block: int = 64) -> 
     block-local sums; the sums at the block starts are the same recurrence over ``W / block`` blocks with
     ``discount ** block`` (solved the same way, recursively), and each step adds its block's carry times
     ``discount ** (steps to the block's end)``. Use fp64 ``x`` (an fp32 matmul may run in TF32 on a GPU). A NaN / inf
-    in a row makes that row's whole block non-finite (the step-by-step recurrence: only the steps up to it); other rows
-    are unaffected, and a PPO loss over the row is non-finite either way (the launcher stops or skips that step)."""
+    in a row may make any of that row's sums non-finite, not only those up to it (0 times it is NaN in the matmuls);
+    other rows are unaffected, and a PPO loss over the row is non-finite either way (the launcher stops or skips
+    that step)."""
     n, width = x.shape
     if width == 0:
         return x.clone()
