@@ -115,7 +115,8 @@ def qwen3_tree(checkpoints):
 
 def chunks_vs_whole(model, seqs, cap, max_kept) -> tuple[int, float, float]:
     """``seqs`` in chunks of ``cap`` slots (``max_kept_tokens=max_kept``) against its whole trees in one micro-batch,
-    the same model: (chunks, log-prob error, gradient error: :func:`relative_grad_error_floored`)."""
+    the same model: (chunks, log-prob error, gradient error: :func:`relative_grad_error_floored`, each parameter against
+    at least a tenth of the largest gradient)."""
     whole = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4096))
     chunks = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=cap, chunk_trees=True, max_kept_tokens=max_kept))
     with torch.no_grad():
@@ -123,12 +124,18 @@ def chunks_vs_whole(model, seqs, cap, max_kept) -> tuple[int, float, float]:
     assert got.shape == want.shape
     lp_err = float((got - want).abs().max()) if got.numel() else 0.0  # sequences of one token have no targets
     got, want = chunked_step(model, chunks, seqs), chunked_step(model, whole, seqs)
-    return len(chunks), lp_err, relative_grad_error_floored(got, want)
+    return len(chunks), lp_err, relative_grad_error_floored(got, want, floor=0.1)
 
 
 any_chunking = (any_batch, st.integers(2, 9), st.sampled_from([None, 0, KEEP_ALL]))
 """Any forest (GRPO prompts and samples, forking conversations, random token lists with accidental sharing and
 duplicates), chunks of 2-9 slots, waiting chunks keeping the default / 0 / every graph."""
+
+ANY_FOREST_GRAD_TOL = 1e-4
+"""Chunks vs whole trees, gradients, on :data:`any_chunking`'s forests: 4e-6 at most over 500 draws (Qwen3), but a
+forest of one repeated token (``[[0] * 5, [0] * 4]`` in chunks of 2) sums every slot's gradient into one embedding row
+and the norms' weights with cancellation, in another order chunked than whole: 2e-5 (Qwen3 and Qwen3.5). Dropping the
+injected dK / dV is 1.08 off."""
 
 
 @pytest.mark.slow
@@ -138,7 +145,7 @@ def test_any_forest_in_chunks_equals_its_whole_trees(qwen3_tree, seqs, cap, max_
     """:data:`any_chunking`: log-probs and parameter gradients equal the whole trees' in one micro-batch (themselves
     tested against each sequence alone)."""
     errors = chunks_vs_whole(qwen3_tree, seqs, cap, max_kept)
-    assert errors[1] < TOL and errors[2] < TOL, errors
+    assert errors[1] < TOL and errors[2] < ANY_FOREST_GRAD_TOL, errors
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +213,9 @@ def qwen3_5_tree(gdn_checkpoints):
 
 
 GDN_ANY_FOREST_TOL = 1e-4
-"""Chunks vs whole trees on :data:`any_chunking`'s forests, Qwen3.5: the recurrent layers' fp32 rounding (the scans cut
-at other points) reached 3.3e-5 over 60 draws (conv1d weights), against 1.63 off with the carried states zeroed."""
+"""Chunks vs whole trees on :data:`any_chunking`'s forests, Qwen3.5, log-probs and gradients: the recurrent layers' fp32
+rounding (the scans cut at other points) and :data:`ANY_FOREST_GRAD_TOL`'s summation order, 2e-5 at most measured;
+zeroed carried states are 2.2 off."""
 
 
 @pytest.mark.slow
