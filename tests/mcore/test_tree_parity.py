@@ -212,11 +212,23 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest,
     assert grad_err < GRAD_TOL
 
 
+ANY_FOREST_ARCHS = ("qwen3", "qwen3_moe", "deepseek_v3")
+"""qk-norm and GQA; MoE (softmax top-k, router statistics weighted per sequence); multi-latent attention with YaRN."""
+
+
 @pytest.fixture(scope="module")
-def qwen3_pair(checkpoints):
-    """The tiny Qwen3 (qk-norm, GQA) as a tree model and as the upstream (flat) model, the same weights."""
-    return (build_model(checkpoints["qwen3"], tree=True)[0].train(),
-            build_model(checkpoints["qwen3"], tree=False)[0].train())
+def model_pairs(checkpoints):
+    """Per arch of :data:`ANY_FOREST_ARCHS` (built on first use): the tiny model as a tree model and as the upstream
+    (flat) model, the same weights."""
+    pairs = {}
+
+    def get(arch):
+        if arch not in pairs:
+            pairs[arch] = (build_model(checkpoints[arch], tree=True)[0].train(),
+                           build_model(checkpoints[arch], tree=False)[0].train())
+        return pairs[arch]
+
+    return get
 
 
 ANY_FOREST_GRAD_TOL = 1e-4
@@ -228,14 +240,15 @@ instead of depth is 0.37 off or more on 43 of 100 draws."""
 
 
 @pytest.mark.slow
-@settings(max_examples=15, deadline=None)
-@given(any_batch, st.integers(0, 12), st.sampled_from(["ffd", "kk"]))
-def test_any_forest_equals_each_sequence_alone(qwen3_pair, seqs, spare, algorithm):
+@pytest.mark.parametrize("arch", ANY_FOREST_ARCHS)
+@settings(max_examples=10, deadline=None)
+@given(seqs=any_batch, spare=st.integers(0, 12), algorithm=st.sampled_from(["ffd", "kk"]))
+def test_any_forest_equals_each_sequence_alone(model_pairs, arch, seqs, spare, algorithm):
     """Any forest (GRPO prompts and samples, forking conversations, random token lists with accidental sharing and
     duplicates), packed into micro-batches of the longest sequence plus 0-12 slots (trees split at branch points where
     larger), through the schedule: log-probs and parameter gradients equal the upstream model run on each sequence
     alone (gradients: :data:`ANY_FOREST_GRAD_TOL`)."""
-    tree, flat = qwen3_pair
+    tree, flat = model_pairs(arch)
     mbs = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max(map(len, seqs)) + spare, packing_algorithm=algorithm))
     with torch.no_grad():
         lp = dict(enumerate(tree_forward_only([tree], mbs)))
