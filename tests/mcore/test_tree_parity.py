@@ -212,8 +212,14 @@ def test_gradients_match_flat_per_sequence(arch, recompute, checkpoints, forest,
     assert grad_err < GRAD_TOL
 
 
-ANY_FOREST_ARCHS = ("qwen3", "qwen3_moe", "deepseek_v3")
-"""qk-norm and GQA; MoE (softmax top-k, router statistics weighted per sequence); multi-latent attention with YaRN."""
+ANY_FOREST_ARCHS = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5")
+"""qk-norm and GQA; MoE (softmax top-k, router statistics weighted per sequence); multi-latent attention with YaRN;
+Gated DeltaNet layers (conv window and recurrent state along each slot's root path) with a full attention layer."""
+
+ANY_FOREST_GDN_TOL = (5e-5, 2e-4)
+"""Qwen3.5's log-prob and gradient tolerances on any forest: its recurrent layers' fp32 rounding (the tree's scan and
+each sequence's cut at other points) reached 9.1e-6 / 4.0e-5 over 100 draws (the fixed forests' ~1e-5, see
+tests/mcore/test_gated_delta_net_parity.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +262,8 @@ def test_any_forest_equals_each_sequence_alone(model_pairs, arch, seqs, spare, a
     lp_err = max((float((lp[k] - w).abs().max()) for k, w in want.items() if w.numel()), default=0.0)
     weighted_sum(want).backward()
     grad_err = relative_grad_error_floored(chunked_step(tree, mbs, seqs), param_grads(flat), floor=0.1)
-    assert lp_err < LOGPROB_TOL and grad_err < ANY_FOREST_GRAD_TOL, (len(mbs), lp_err, grad_err)
+    lp_tol, grad_tol = ANY_FOREST_GDN_TOL if arch == "qwen3_5" else (LOGPROB_TOL, ANY_FOREST_GRAD_TOL)
+    assert lp_err < lp_tol and grad_err < grad_tol, (len(mbs), lp_err, grad_err)
 
 
 # EP=2 checks log-probs only: expert-parallel backward needs CUDA buffers the CPU shim cannot
