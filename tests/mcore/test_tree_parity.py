@@ -40,11 +40,11 @@ from scripts.parity_common import (
 
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from megatron_tree.attention import dispatch as tree_attention_module
 from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.attention import dispatch as tree_attention_module
 from megatron_tree.mcore.bridge import build_tree_model
-from megatron_tree.mcore.forward_only import tree_forward_only
 from megatron_tree.mcore.core_attention import TreeCoreAttention
+from megatron_tree.mcore.forward_only import tree_forward_only
 from megatron_tree.mcore.model_check import check_tree_model
 from megatron_tree.mcore.rope import TreeRotaryEmbedding
 from megatron_tree.runtime import (
