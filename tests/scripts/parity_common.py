@@ -277,10 +277,11 @@ def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     return max(relative_error(got[n], want[n]) for n in want)
 
 
-def relative_grad_error_floored(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], floor: float = 1e-2) -> float:
+def relative_grad_error_floored(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                                floor: float = 0.1) -> float:
     """:func:`relative_grad_error` with each parameter's scale at least ``floor`` times the largest gradient of all: on
     small random forests some weights get gradients of 1e-9 - 1e-7 (the q / k norms' on a repeated token: zero but for
-    rounding), whose fp32 noise is no error. 0 when every gradient is 0 (no targets)."""
+    rounding), whose fp32 noise is no error. When every wanted gradient is 0 (no targets): the largest one got."""
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     least = floor * max((float(w.abs().max()) for w in want.values()), default=0.0)
     if least == 0.0:
