@@ -19,6 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-benchmarks/results}
+PPO_CONFIG=${PPO_CONFIG:-configs/ppo_qwen3_0.6b_shape.yaml}
 mkdir -p "$OUT"
 LOG="$OUT/rl_passes_gpu$([ "${PART:-all}" = all ] || echo "_$PART").txt"  # PART=ppo: rl_passes_gpu_ppo.txt
 echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F)" | tee "$LOG"
@@ -38,13 +39,13 @@ if [ "${PART:-all}" = all ]; then
   parity "TE (TE spec, cuDNN THD flat path)" te
 fi
 case "${PART:-all}" in
-  profile) python3 benchmarks/ppo_profile.py --config "${PPO_CONFIG:-configs/ppo_qwen3_0.6b_shape.yaml}" \
-             --warmup 2 --out "$OUT/ppo_profile.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
-  startup) python3 benchmarks/startup_bench.py --config "${PPO_CONFIG:-configs/ppo_qwen3_0.6b_shape.yaml}" \
-             --steps 3 --out "$OUT/startup.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
+  profile) python3 benchmarks/ppo_profile.py --config "$PPO_CONFIG" --warmup 2 \
+             --out "$OUT/ppo_profile.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
+  startup) python3 benchmarks/startup_bench.py --config "$PPO_CONFIG" --steps 3 \
+             --out "$OUT/startup.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
 esac
 for mode in tree-training no-tree-training; do
-  echo "== PPO whole step, ${PPO_CONFIG:=configs/ppo_qwen3_0.6b_shape.yaml}, bf16, TE: --$mode" | tee -a "$LOG"
+  echo "== PPO whole step, $PPO_CONFIG, bf16, TE: --$mode" | tee -a "$LOG"
   timeout 420 python3 -m megatron_tree.train --config "$PPO_CONFIG" --steps "${PPO_STEPS:-4}" \
     --"$mode" --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
 done

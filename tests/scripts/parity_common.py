@@ -239,9 +239,12 @@ def hf_logprobs_fp64(hf_path: str, seqs: list[list[int]]) -> dict[int, torch.Ten
 
 
 def max_diff(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
-    """Largest absolute difference over all sequences (both dicts must hold the same ids)."""
+    """Largest absolute difference over all sequences (both dicts must hold the same ids and shapes; a sequence of one
+    token has no targets: 0 when no sequence has any)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].detach().cpu() - b[k].detach().cpu()).abs().max().item() for k in a)
+    assert all(a[k].shape == b[k].shape for k in a), {k: (a[k].shape, b[k].shape) for k in a}
+    return max(((a[k].detach().cpu() - b[k].detach().cpu()).abs().max().item() for k in a if a[k].numel()),
+               default=0.0)
 
 
 def weighted_sum(logprobs: dict[int, torch.Tensor], seed: int = 1) -> torch.Tensor:
@@ -265,28 +268,20 @@ def param_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max|got - want| / max|want|`` in fp64 on the CPU (the two may sit on different devices)."""
+def relative_error(got: torch.Tensor, want: torch.Tensor, least: float = 0.0) -> float:
+    """``max|got - want| / max|want|`` in fp64 on the CPU (the two may sit on different devices); the denominator at
+    least ``least`` (and 1e-30)."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    return float((got - want).abs().max() / want.abs().max().clamp_min(max(least, 1e-30)))
 
 
-def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """max over parameters of :func:`relative_error` (same parameter names required)."""
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    return max(relative_error(got[n], want[n]) for n in want)
-
-
-def relative_grad_error_floored(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                                floor: float = 0.1) -> float:
-    """:func:`relative_grad_error` with each parameter's scale at least ``floor`` times the largest gradient of all: on
-    small random forests some weights get gradients of 1e-9 - 1e-7 (the q / k norms' on a repeated token: zero but for
-    rounding), whose fp32 noise is no error. When every wanted gradient is 0 (no targets): the largest one got."""
+def relative_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], floor: float = 0.0) -> float:
+    """max over parameters of :func:`relative_error` (same parameter names required), each parameter's scale at least
+    ``floor`` times the largest gradient of all: on small random forests some weights get gradients of 1e-9 - 1e-7 (the
+    q / k norms' on a repeated token: zero but for rounding), whose fp32 noise is no error (the property tests: 0.1)."""
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     least = floor * max((float(w.abs().max()) for w in want.values()), default=0.0)
-    if least == 0.0:
-        return max((float(g.abs().max()) for g in got.values()), default=0.0)
-    return max(float((got[n] - w).abs().max()) / max(float(w.abs().max()), least) for n, w in want.items())
+    return max(relative_error(got[n], want[n], least) for n in want)
 
 
 def tree_and_flat_backward(tree, flat, seqs: list[list[int]], mbs) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
