@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_rl_passes.sh          # there, with .whl and .te carried
 #
 # fp32 runs turn TF32 off (NVIDIA_TF32_OVERRIDE=0). PPO_STEPS (default 4) sets the PPO run length; PART=ppo runs
-# step 3 alone. The summary gives the whole step's and each model pass's median (records' pass_*_s).
+# step 3 alone; PPO_ARGS adds launcher flags to both modes' PPO runs (steps 3, profile, startup), e.g.
+# PPO_ARGS="--forward-max-tokens-per-mb 65536". The summary gives the whole step's and each model pass's median (records' pass_*_s).
 # Two more parts, each alone, on PPO_CONFIG (FA4 staged first: benchmarks/fa4_stage.sh):
 #   PART=profile  benchmarks/ppo_profile.py, 2 warm-up steps then one with every pass profiled, tree and flat
 #                 (-> $OUT/ppo_profile.json: per pass wall / device busy / idle and the host ops the GPU waited on);
@@ -40,14 +41,14 @@ if [ "${PART:-all}" = all ]; then
 fi
 case "${PART:-all}" in
   profile) python3 benchmarks/ppo_profile.py --config "$PPO_CONFIG" --warmup 2 \
-             --out "$OUT/ppo_profile.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
+             --out "$OUT/ppo_profile.json" -- ${PPO_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
   startup) python3 benchmarks/startup_bench.py --config "$PPO_CONFIG" --steps 3 \
-             --out "$OUT/startup.json" 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
+             --out "$OUT/startup.json" -- ${PPO_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
 esac
 for mode in tree-training no-tree-training; do
   echo "== PPO whole step, $PPO_CONFIG, bf16, TE: --$mode" | tee -a "$LOG"
   timeout 420 python3 -m megatron_tree.train --config "$PPO_CONFIG" --steps "${PPO_STEPS:-4}" \
-    --"$mode" --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
+    --"$mode" ${PPO_ARGS:-} --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
 done
 python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import json, statistics, sys

@@ -55,6 +55,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--loss": ("train.loss", {"choices": list(config.LOSSES)}),
     "--reward-model": ("train.reward_model", {"metavar": "DIR"}),
     "--kl-coef": ("train.kl_coef", {}),
+    "--forward-max-tokens-per-mb": ("train.forward_max_tokens_per_mb", {}),
     "--ppo-epochs": ("train.ppo_epochs", {}),
     "--ppo-mini-batches": ("train.ppo_mini_batches", {}),
     "--recompute": ("train.recompute", {"choices": list(config.RECOMPUTE)}),

@@ -314,6 +314,12 @@ class TrainConfig(_Section):
     value_clip: float = _field(0.2, "ppo: clip range of the critic's value loss")
     reward_model: str | None = _field(None, "ppo: HF checkpoint of the reward model (value head, lm_head.weight "
                                       "[1, hidden]); null: the actor's checkpoint with a fixed-seed value head")
+    forward_max_tokens_per_mb: int | None = _field(
+        None, "capacity of the micro-batches of the forward-only passes (grpo's old log-probs with several updates "
+        "per rollout batch; ppo's old and reference log-probs, critic values, reward scores), in unique (tree) tokens; "
+        ">= micro_batch.max_tokens_per_mb: these passes keep no activations for a backward, and fewer, larger "
+        "micro-batches launch fewer kernels (verl's log_prob_max_token_len_per_gpu); null: "
+        "micro_batch.max_tokens_per_mb")
     recompute: str = _field("none", "activation recompute: none | full | selective")
     bf16: bool = _field(False, "bf16 weights and activations (needs a CUDA GPU)")
     balance: str = _field("kk", "split of a batch over data-parallel ranks: kk | ffd | round_robin")
@@ -336,6 +342,8 @@ class TrainConfig(_Section):
         self._need(0 <= self.gamma <= 1, "gamma", "in [0, 1]")
         self._need(0 <= self.lam <= 1, "lam", "in [0, 1]")
         self._need(self.value_clip > 0, "value_clip", "> 0")
+        self._need(self.forward_max_tokens_per_mb is None or self.forward_max_tokens_per_mb >= 1,
+                   "forward_max_tokens_per_mb", "null or an int >= 1")
         for key, valid in (("loss", LOSSES), ("recompute", RECOMPUTE), ("balance", BALANCE),
                            ("attention_backend", BACKENDS)):
             self._need(getattr(self, key) in valid, key, f"one of {valid}")
@@ -453,6 +461,11 @@ class RunConfig:
                                  f"train.ppo_mini_batches = {t.ppo_epochs} * {t.ppo_mini_batches}, the updates of one "
                                  f"rollout batch (checkpoints fall between rollout batches); pass "
                                  f"{-(-value // updates) * updates}")
+        fwd, mb = t.forward_max_tokens_per_mb, self.micro_batch.max_tokens_per_mb
+        if fwd is not None and fwd < mb:
+            raise ValueError(f"train.forward_max_tokens_per_mb={fwd} is below micro_batch.max_tokens_per_mb={mb}: the "
+                             f"forward-only passes keep no activations for a backward, so they take at least the "
+                             f"training micro-batch; raise it or drop it (null: {mb})")
         if t.ppo_mini_batches > self.data.batch_size:
             raise ValueError(f"train.ppo_mini_batches={t.ppo_mini_batches} is more than data.batch_size="
                              f"{self.data.batch_size} groups per rollout batch; mini-batches take whole groups")

@@ -430,6 +430,9 @@ class Trainer:
                        f"the tree model only; a tree larger than a micro-batch is split with its shared path recomputed")
         self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor),
                                        chunk_trees=chunk, max_kept_tokens=mb.max_kept_tokens if chunk else None)
+        fwd = cfg.train.forward_max_tokens_per_mb
+        self.forward_spec = self.spec if fwd in (None, mb.max_tokens_per_mb) else MicroBatchSpec.new(
+            self.spec, max_tokens_per_mb=fwd, max_kept_tokens=None)
         self.source = open_rollout_source(
             cfg.data, vocab=self.vocab, max_len=None if chunk else mb.max_tokens_per_mb, seed=cfg.train.seed,
             need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.loss == "grpo" and cfg.train.kl_coef > 0,
@@ -594,28 +597,38 @@ class Trainer:
         else:
             shares = [np.arange(len(seqs))]
         mine = ids[np.asarray(shares[self.dp_rank], dtype=np.int64)]
-        if batch.images is None:
-            mbs = pack_trees([batch.sequences[i] for i in mine], self.spec, dp_group=self.dp_group,
-                             share_prefixes=self.cfg.train.tree_training)
-        else:
-            mbs = self._pack_images(batch, mine)
+        mbs = self._pack(batch, mine, self.spec)
         part = dict(seqs=seqs, shares=shares, mine=mine, mbs=mbs, pack_s=time.perf_counter() - t0, old=None)
         t = self.cfg.train
+        forward_passes = self.ppo is not None or (
+            t.loss == "grpo" and t.ppo_epochs * t.ppo_mini_batches > 1
+            and (batch.old_logprobs is None or any(np.isnan(lp[1:]).any() for lp in batch.old_logprobs)))
+        if forward_passes:  # per sequence of mine, whichever packing: the updates gather them by sequence id
+            t1 = time.perf_counter()
+            fwd_mbs = mbs if self.forward_spec is self.spec else self._pack(batch, mine, self.forward_spec)
+            part["pack_s"] += time.perf_counter() - t1
+            part["forward_micro_batches"] = len(fwd_mbs)
         if self.ppo is not None:
             from megatron_tree.train.ppo import ppo_targets
 
             masks = None if batch.loss_mask is None else [batch.loss_mask[i] for i in mine]
-            part["targets"] = ppo_targets(self.cfg, self.model, self.ppo, mbs, masks, tree=self.tree_model)
-        elif t.loss == "grpo" and t.ppo_epochs * t.ppo_mini_batches > 1 and (
-                batch.old_logprobs is None or any(np.isnan(lp[1:]).any() for lp in batch.old_logprobs)):
+            part["targets"] = ppo_targets(self.cfg, self.model, self.ppo, fwd_mbs, masks, tree=self.tree_model)
+        elif forward_passes:
             from megatron_tree.mcore.forward_only import flat_forward_only, tree_forward_only
 
-            old = (tree_forward_only if self.tree_model else flat_forward_only)(self.model, mbs)
+            old = (tree_forward_only if self.tree_model else flat_forward_only)(self.model, fwd_mbs)
             part["old"] = torch.cat(old).cpu() if old else torch.zeros(0)
         part["prepare_s"] = time.perf_counter() - t0
         return part
 
-    def _pack_images(self, batch: RolloutBatch, mine: np.ndarray) -> list:
+    def _pack(self, batch: RolloutBatch, mine: np.ndarray, spec: MicroBatchSpec) -> list:
+        """This rank's sequences ``mine`` of ``batch`` packed by ``spec`` (flat chains under ``--no-tree-training``)."""
+        if batch.images is not None:
+            return self._pack_images(batch, mine, spec)
+        return pack_trees([batch.sequences[i] for i in mine], spec, dp_group=self.dp_group,
+                          share_prefixes=self.cfg.train.tree_training)
+
+    def _pack_images(self, batch: RolloutBatch, mine: np.ndarray, spec: MicroBatchSpec) -> list:
         """This rank's sequences with their images in tree micro-batches (``pack_vision_trees``; trees larger than a
         micro-batch split at branch points, their shared path computed in each part: chunks take no images)."""
         vision, problem = vision_packing_args(self.bridge), None
@@ -629,7 +642,7 @@ class Trainer:
         if problem:
             raise ValueError(f"the rollouts carry images, but {problem}; train on text-only rollouts or change that")
         # Image prompts share <|vision_start|> (one root tree): split at branch points, as chunks take no images.
-        spec = MicroBatchSpec.new(self.spec, chunk_trees=False, max_kept_tokens=None)
+        spec = MicroBatchSpec.new(spec, chunk_trees=False, max_kept_tokens=None)
         return pack_vision_trees([batch.sequences[i] for i in mine], [batch.images[i] for i in mine], spec,
                                  dp_group=self.dp_group, **vision)
 
@@ -669,6 +682,8 @@ class Trainer:
         record = step_record(self.iteration, loss, loss_tokens, mbs, self.spec, part["seqs"], part["shares"],
                              step_s, part["pack_s"] if first else 0.0, grad_norm, skipped, self.cuda,
                              schedule_slot_multiple(self.model[0])) | {"lr": lr} | extra
+        if first and "forward_micro_batches" in part:  # the forward-only passes ran before this update
+            record["forward_micro_batches"] = part["forward_micro_batches"]
         for sink in self.sinks:
             sink.write(record)
         return record

@@ -91,3 +91,37 @@ def test_ppo_step_tree_equals_flat(tmp_path):
     passes = [f"pass_{name}_s" for name in ("old", "reference", "values", "scores", "actor", "critic")]
     for record in tree + flat:  # every model pass timed, within the step
         assert all(record[key] > 0 for key in passes) and sum(record[key] for key in passes) < record["step_s"]
+
+
+@pytest.mark.parametrize("mode", ["--tree-training", "--no-tree-training"])
+@pytest.mark.parametrize("loss", ["ppo", "grpo"])
+def test_forward_passes_in_larger_micro_batches_train_the_same_steps(tmp_path, mode, loss):
+    """``--forward-max-tokens-per-mb 4096``: the forward-only passes (PPO's four; GRPO's old log-probs with two
+    updates per rollout batch) run in fewer micro-batches than the updates' 48 slots (whose trees run in chunks,
+    or as split paths without tree training), and every step's numbers are those of one packing for all passes."""
+    runs = {}
+    for name, extra in (("same", []), ("larger", ["--forward-max-tokens-per-mb", "4096"])):
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["--config", "configs/tiny_qwen3.yaml", "--loss", loss, "--steps", "2", "--batch-size", "2",
+                "--max-tokens-per-mb", "48", "--no-progress", "--log-jsonl", str(out), mode, *extra]
+        if loss == "grpo":
+            argv += ["--ppo-epochs", "2"]
+        assert main(argv) == 0
+        runs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    same, larger = runs["same"], runs["larger"]
+    assert same[0]["forward_micro_batches"] == same[0]["micro_batches"] > larger[0]["forward_micro_batches"] == 1
+    assert "forward_micro_batches" not in larger[1] if loss == "grpo" else "forward_micro_batches" in larger[1]
+    keys = ["loss", "grad_norm"] + (["critic_loss", "critic_grad_norm", "score_mean", "kl_mean"] if loss == "ppo" else [])
+    for s, f in zip(same, larger, strict=True):
+        assert s["micro_batches"] == f["micro_batches"]
+        for key in keys:  # old log-probs of another packing differ by fp32 rounding (~1e-6): the ratio too
+            assert f[key] == pytest.approx(s[key], rel=1e-5, abs=1e-6), (key, f[key], s[key])
+    if loss == "grpo":
+        assert abs(larger[1]["loss"] - larger[0]["loss"]) > 1e-6  # the old log-probs were used: ratio off 1
+
+
+def test_forward_micro_batches_below_the_training_ones_are_refused(capsys):
+    assert main(["--config", "configs/tiny_qwen3.yaml", "--steps", "1", "--no-progress",
+                 "--forward-max-tokens-per-mb", "128"]) == 1
+    err = capsys.readouterr().err
+    assert "train.forward_max_tokens_per_mb=128 is below micro_batch.max_tokens_per_mb=256" in err
