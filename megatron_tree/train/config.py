@@ -462,6 +462,9 @@ class RunConfig:
                                  f"rollout batch (checkpoints fall between rollout batches); pass "
                                  f"{-(-value // updates) * updates}")
         fwd, mb = t.forward_max_tokens_per_mb, self.micro_batch.max_tokens_per_mb
+        if fwd is not None and t.loss == "sft":
+            raise ValueError(f"train.forward_max_tokens_per_mb={fwd} sizes the forward-only passes of losses grpo and "
+                             f"ppo; train.loss sft runs none: drop it")
         if fwd is not None and fwd < mb:
             raise ValueError(f"train.forward_max_tokens_per_mb={fwd} is below micro_batch.max_tokens_per_mb={mb}: the "
                              f"forward-only passes keep no activations for a backward, so they take at least the "

@@ -120,8 +120,12 @@ def test_forward_passes_in_larger_micro_batches_train_the_same_steps(tmp_path, m
         assert abs(larger[1]["loss"] - larger[0]["loss"]) > 1e-6  # the old log-probs were used: ratio off 1
 
 
-def test_forward_micro_batches_below_the_training_ones_are_refused(capsys):
-    assert main(["--config", "configs/tiny_qwen3.yaml", "--steps", "1", "--no-progress",
-                 "--forward-max-tokens-per-mb", "128"]) == 1
-    err = capsys.readouterr().err
-    assert "train.forward_max_tokens_per_mb=128 is below micro_batch.max_tokens_per_mb=256" in err
+@pytest.mark.parametrize("argv, message", [
+    (["--loss", "ppo", "--forward-max-tokens-per-mb", "128"],
+     "train.forward_max_tokens_per_mb=128 is below micro_batch.max_tokens_per_mb=256"),
+    (["--forward-max-tokens-per-mb", "4096"], "train.loss sft runs none: drop it"),
+    (["--loss", "ppo", "--forward-max-tokens-per-mb", "0"], "train.forward_max_tokens_per_mb (--forward-max-tokens-per-mb) must be null or an int >= 1, got 0"),
+])
+def test_bad_forward_micro_batches_are_refused(capsys, argv, message):
+    assert main(["--config", "configs/tiny_qwen3.yaml", "--steps", "1", "--no-progress", *argv]) == 1
+    assert message in capsys.readouterr().err
