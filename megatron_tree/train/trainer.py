@@ -589,7 +589,9 @@ class Trainer:
     def _mini_batch(self, batch: RolloutBatch, ids: np.ndarray) -> dict[str, Any]:
         """The sequences ``ids`` of ``batch`` split over data-parallel ranks by tree cost, this rank's share packed
         into micro-batches, and what the updates need computed before any of them: with PPO its forward-only passes
-        (``ppo_targets``); with grpo and several updates per rollout batch, the old log-probs the rollouts lack."""
+        (``ppo_targets``); with grpo and several updates per rollout batch, the old log-probs the rollouts lack. The
+        forward-only passes run on a packing of their own where ``train.forward_max_tokens_per_mb`` sets a larger
+        capacity (their results are per sequence: the updates gather them by sequence id)."""
         t0 = time.perf_counter()
         seqs = [batch.sequences[i] for i in ids]
         if self.dp > 1:
@@ -603,7 +605,7 @@ class Trainer:
         forward_passes = self.ppo is not None or (
             t.loss == "grpo" and t.ppo_epochs * t.ppo_mini_batches > 1
             and (batch.old_logprobs is None or any(np.isnan(lp[1:]).any() for lp in batch.old_logprobs)))
-        if forward_passes:  # per sequence of mine, whichever packing: the updates gather them by sequence id
+        if forward_passes:
             t1 = time.perf_counter()
             fwd_mbs = mbs if self.forward_spec is self.spec else self._pack(batch, mine, self.forward_spec)
             part["pack_s"] += time.perf_counter() - t1
