@@ -462,9 +462,11 @@ class RunConfig:
                                  f"rollout batch (checkpoints fall between rollout batches); pass "
                                  f"{-(-value // updates) * updates}")
         fwd, mb = t.forward_max_tokens_per_mb, self.micro_batch.max_tokens_per_mb
-        if fwd is not None and t.loss == "sft":
-            raise ValueError(f"train.forward_max_tokens_per_mb={fwd} sizes the forward-only passes of losses grpo and "
-                             f"ppo; train.loss sft runs none: drop it")
+        if fwd is not None and (t.loss == "sft" or t.loss == "grpo" and updates == 1):
+            raise ValueError(f"train.forward_max_tokens_per_mb={fwd} sizes the forward-only passes: ppo's, and grpo's old "
+                             f"log-probs with several updates per rollout batch (train.ppo_epochs * "
+                             f"train.ppo_mini_batches > 1); train.loss {t.loss} with {updates} update(s) runs none: "
+                             f"drop it")
         if fwd is not None and fwd < mb:
             raise ValueError(f"train.forward_max_tokens_per_mb={fwd} is below micro_batch.max_tokens_per_mb={mb}: the "
                              f"forward-only passes keep no activations for a backward, so they take at least the "

@@ -123,7 +123,8 @@ def test_forward_passes_in_larger_micro_batches_train_the_same_steps(tmp_path, m
 @pytest.mark.parametrize("argv, message", [
     (["--loss", "ppo", "--forward-max-tokens-per-mb", "128"],
      "train.forward_max_tokens_per_mb=128 is below micro_batch.max_tokens_per_mb=256"),
-    (["--forward-max-tokens-per-mb", "4096"], "train.loss sft runs none: drop it"),
+    (["--forward-max-tokens-per-mb", "4096"], "train.loss sft with 1 update(s) runs none: drop it"),
+    (["--loss", "grpo", "--forward-max-tokens-per-mb", "4096"], "grpo with 1 update(s) runs none: drop it"),
     (["--loss", "ppo", "--forward-max-tokens-per-mb", "0"], "train.forward_max_tokens_per_mb (--forward-max-tokens-per-mb) must be null or an int >= 1, got 0"),
 ])
 def test_bad_forward_micro_batches_are_refused(capsys, argv, message):
