@@ -52,6 +52,9 @@ def runs(tmp_path_factory):
         for n in (1, 2):
             cases[f"cp{n}-{loss}"] = ("test_launcher_context_parallel_equals_one_rank", n, launcher,
                                       [*CP_ARGS, "--loss", loss, "--log-jsonl", "{tmp}.jsonl", *(["--cp", "2"] if n == 2 else [])])
+    cases["cp2-ppo-forward"] = ("test_launcher_forward_micro_batches_under_context_parallel", 2, launcher,
+                                [*CP_ARGS, "--loss", "ppo", "--cp", "2", "--max-tokens-per-mb", "64",
+                                 "--forward-max-tokens-per-mb", "4096", "--log-jsonl", "{tmp}.jsonl"])
     for n in (1, 2):  # several updates per rollout batch, each mini-batch balanced over DP ranks on its own
         cases[f"mini-dp{n}"] = ("test_launcher_mini_batches_dp2_equal_one_rank", n, launcher,
                                 [*CP_ARGS[:2], "--steps", "4", "--batch-size", "4", "--no-progress", "--loss", "grpo",
@@ -85,6 +88,17 @@ def test_launcher_context_parallel_equals_one_rank(runs, request, loss):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
         assert "cp_pair_imbalance" not in a and b["cp_pair_imbalance"] < 1.1 and len(b["cp_rank_pairs"]) == 2
+
+
+@pytest.mark.multiprocess
+def test_launcher_forward_micro_batches_under_context_parallel(runs, request):
+    """--cp 2 with updates in micro-batches of 64 slots (prefix groups split: chunks need CP = 1) and PPO's
+    forward-only passes in one micro-batch of up to 4096: the one-process run's numbers (one packing of 256 there)."""
+    one, fwd = (_records_of(runs, request, case) for case in ("cp1-ppo", "cp2-ppo-forward"))
+    for a, b in zip(one, fwd, strict=True):
+        assert b["forward_micro_batches"] == 1 < b["micro_batches"], b
+        for key in ("loss", "grad_norm", "critic_loss", "critic_grad_norm", "score_mean", "kl_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
 
 
 @pytest.mark.multiprocess
