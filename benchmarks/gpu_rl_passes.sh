@@ -56,9 +56,11 @@ out = sys.argv[1]
 records = {name: [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"step_s"' in l] for name in ("tree", "no")}
 def med(name, key="step_s"):  # median after the first step
     return statistics.median(r[key] for r in records[name][1:])
-tree, flat, last_t = med("tree"), med("no"), records["tree"][-1]
+tree, flat, last_t, last_f = med("tree"), med("no"), records["tree"][-1], records["no"][-1]
 print(f"PPO step median after the first: tree {tree:.2f} s, flat {flat:.2f} s, flat/tree {flat / tree:.2f}"
-      f" (tree_token_ratio {last_t.get('tree_token_ratio', float('nan')):.3f})")
+      f" (tree_token_ratio {last_t.get('tree_token_ratio', float('nan')):.3f}; micro-batches tree / flat: updates "
+      f"{last_t['micro_batches']} / {last_f['micro_batches']}, forward-only passes {last_t.get('forward_micro_batches')}"
+      f" / {last_f.get('forward_micro_batches')})")
 passes = {p: (med("tree", f"pass_{p}_s"), med("no", f"pass_{p}_s"))
           for p in ("old", "reference", "values", "scores", "actor", "critic")}
 print("per pass, median after the first (s):  " + "  ".join(
