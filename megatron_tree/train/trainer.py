@@ -85,6 +85,27 @@ def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
     return cfg.train.tree_training or cfg.parallel.cp > 1 or not (cuda and have_transformer_engine())
 
 
+def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
+    """Where the tree model may run FA4 (a GPU, bf16, backend ``auto`` or ``fa4``, FA4's persistent cache on):
+    on each node's local rank 0 the helper process of :mod:`megatron_tree.attention.fa4_warmup` for this model's
+    attention shape per tensor-parallel rank (:class:`~megatron_tree.attention.fa4_warmup.FA4Warmup`), on the other
+    ranks (and where it could not start) True: every rank waits for it before the first step; else None. The helper compiles the kernels while the models
+    are built; the query-slot mask's too when chunks or context parallel may run."""
+    from megatron_tree.attention.fa4_warmup import CACHE_VARIABLE, start_fa4_warmup
+
+    wanted = (cuda and cfg.train.bf16 and cfg.train.attention_backend in ("auto", "fa4")
+              and uses_tree_model(cfg, cuda) and os.environ.get(CACHE_VARIABLE) == "1")
+    if not wanted:
+        return None
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return True
+    tp, heads = cfg.parallel.tp, hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), head_dim,
+                            query_slots=cfg.micro_batch.chunk_trees or cfg.parallel.cp > 1) or True
+
+
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
     """``(model chunks, optimizer, bridge)``: tree model (wrapped in megatron-core's DDP as ``parallel`` says:
     distributed optimizer, overlapped communication) and Megatron's optimizer."""
@@ -357,6 +378,7 @@ class Trainer:
         self._closed = False
         self.in_steps = False  # while train() runs steps: a SIGTERM then only sets stop_requested
         self.stop_requested = False
+        self._warmup = None
         import multiprocessing
 
         self._children_before = set(multiprocessing.active_children())
@@ -394,6 +416,7 @@ class Trainer:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).get_text_config()
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
         check_expert_parallel(hf_config, cfg.parallel.ep, cfg.model.hf_path or f"the tiny {cfg.model.arch} model")
+        self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)  # compiles while the models are built
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
         self.scheduler = make_scheduler(cfg, self.optimizer)
         from megatron_tree.mcore.model_check import check_tree_model
@@ -543,6 +566,7 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         if self.iteration >= self.cfg.train.steps:
             self._info(f"nothing to train: iteration {self.iteration} >= train.steps {self.cfg.train.steps}; raise --steps")
+        self._wait_for_warmup()
         self.in_steps = True
         try:
             while self.iteration < self.cfg.train.steps:
@@ -561,6 +585,17 @@ class Trainer:
         if ckpt.export_hf:
             self.export_hf(ckpt.export_hf)
         return records
+
+    def _wait_for_warmup(self) -> None:
+        """Before the first step: the node's kernel warm-up helper (:func:`start_kernel_warmup`, on local rank 0)
+        has finished, so every rank's first step finds its kernels in the cache."""
+        if self._warmup is None:
+            return
+        if self._warmup is not True:
+            self._info(self._warmup.wait())
+        self._warmup = None
+        if dist.get_world_size() > 1:
+            dist.barrier()
 
     def _stop_agreed(self) -> bool:
         """Whether any rank has ``stop_requested`` (one all-reduce; every rank then stops after the same batch)."""
@@ -745,6 +780,8 @@ class Trainer:
         finally:
             self._stack.close()
             _stop_helper_processes(self._children_before)
+            if hasattr(self._warmup, "stop"):
+                self._warmup.stop()
 
     def latest_checkpoint(self) -> str | None:
         """The checkpoint a resume would load from ``checkpoint.save`` (None without one)."""
