@@ -67,7 +67,10 @@ def warm_up(heads: int, kv_heads: int, head_dim: int, v_head_dim: int, *, query_
         start = time.perf_counter()
         mask = fa4.fa4_tree_mask(end[0], slots)
         for grad in (False, True):
-            q, k, v = _layer_inputs(t - context, t, heads, kv_heads, head_dim, v_head_dim, context > 0, device)
+            # as a layer's: requiring grad in training (FA4 then keeps the log-sum-exp: another kernel), not in a
+            # forward-only pass under no_grad
+            q, k, v = (x.detach().requires_grad_(grad) for x in
+                       _layer_inputs(t - context, t, heads, kv_heads, head_dim, v_head_dim, context > 0, device))
             with torch.set_grad_enabled(grad):
                 out = fa4.fa4_tree_attention(q, k, v, mask)
             if grad:
@@ -93,7 +96,7 @@ def _layer_inputs(queries: int, keys: int, heads: int, kv_heads: int, head_dim: 
         width = heads // kv_heads * head_dim + head_dim + v_head_dim
         v = torch.randn(keys, 1, kv_heads, width, device=device, dtype=torch.bfloat16)[..., -v_head_dim:]
         v = v.permute(1, 2, 0, 3)
-    return tuple(x.detach().requires_grad_() for x in (q, k, v))
+    return q, k, v
 
 
 @dataclass
