@@ -89,8 +89,9 @@ def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
     """Where the tree model may run FA4 (a GPU, bf16, backend ``auto`` or ``fa4``, FA4's persistent cache on):
     on each node's local rank 0 the helper process of :mod:`megatron_tree.attention.fa4_warmup` for this model's
     attention shape per tensor-parallel rank (:class:`~megatron_tree.attention.fa4_warmup.FA4Warmup`), on the other
-    ranks (and where it could not start) True: every rank waits for it before the first step; else None. The helper compiles the kernels while the models
-    are built; the query-slot mask's too when chunks or context parallel may run."""
+    ranks (and where it could not start) True: every rank waits for it before the first step; else None. The helper
+    compiles the kernels while the models are built; the query-slot mask's too when chunks or context parallel may
+    run."""
     from megatron_tree.attention.fa4_warmup import CACHE_VARIABLE, start_fa4_warmup
 
     wanted = (cuda and cfg.train.bf16 and cfg.train.attention_backend in ("auto", "fa4")
