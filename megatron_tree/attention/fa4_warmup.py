@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("heads", "kv_heads", "head_dim", "v_head_dim"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.device is not None and args.device < 0:
+        ap.error(f"--device is a CUDA device index (0, 1, ...), got {args.device}")
     if not torch.cuda.is_available():
         result = {"skipped": "no CUDA GPU here"}
     else:

@@ -53,6 +53,8 @@ def test_cli_says_what_it_skips_and_refuses_bad_values():
         assert ok.returncode == 0 and json.loads(ok.stdout) == {"skipped": "no CUDA GPU here"}, ok.stderr
     bad = run("--heads", "16", "--kv-heads", "0", "--head-dim", "128")
     assert bad.returncode == 2 and "--kv-heads must be at least 1, got 0" in bad.stderr
+    bad = run("--heads", "16", "--kv-heads", "8", "--head-dim", "128", "--device", "-1")
+    assert bad.returncode == 2 and "--device is a CUDA device index (0, 1, ...), got -1" in bad.stderr
 
 
 def test_no_helper_without_a_gpu_or_the_persistent_cache(monkeypatch):
