@@ -24,7 +24,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -101,22 +103,33 @@ def _layer_inputs(queries: int, keys: int, heads: int, kv_heads: int, head_dim: 
 
 @dataclass
 class FA4Warmup:
-    """A running :mod:`megatron_tree.attention.fa4_warmup` helper process."""
+    """A running :mod:`megatron_tree.attention.fa4_warmup` helper process: its stdout a pipe, its stderr the file
+    ``errors`` (compiler logs and warnings: a full pipe would stall the helper until the job waits for it)."""
 
     process: subprocess.Popen
     started: float
+    errors: typing.IO[str]
+
+    @classmethod
+    def spawn(cls, argv: list[str]) -> "FA4Warmup":
+        """Start ``argv`` (the helper's command line) as the helper."""
+        errors = tempfile.TemporaryFile("w+")
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True,
+                                   env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        return cls(process, time.perf_counter(), errors)
 
     def wait(self) -> str:
         """Wait for the helper to finish; returns one line saying what it compiled and how long the job waited for
         it (a failed helper is reported, not raised: the first step then compiles what is missing itself)."""
         start = time.perf_counter()
-        out, err = self.process.communicate()
+        out, _ = self.process.communicate()
         waited = time.perf_counter() - start
         lines = out.strip().splitlines()
         try:
             result = json.loads(lines[-1])
         except (IndexError, json.JSONDecodeError):
-            tail = err.strip().splitlines()[-1:] or ["no output"]
+            self.errors.seek(0)
+            tail = self.errors.read().strip().splitlines()[-1:] or ["no output"]
             return (f"FA4 kernel warm-up failed (status {self.process.returncode}: {tail[0]}); the first step compiles "
                     f"the kernels itself")
         if "skipped" in result:
@@ -124,7 +137,6 @@ class FA4Warmup:
         kinds = ", ".join(f"{kind} {s:.1f} s" for kind, s in result["compiled_s"].items())
         return (f"FA4 kernels compiled ahead in a helper process ({kinds}; "
                 f"{time.perf_counter() - self.started:.1f} s in all, {waited:.1f} s of it waited for)")
-
 
     def stop(self) -> None:
         """End the helper if it still runs (the job failed before its first step)."""
@@ -140,13 +152,12 @@ def start_fa4_warmup(heads: int, kv_heads: int, head_dim: int, v_head_dim: int |
     ``1``: set it before flash_attn is imported, as the launcher does)."""
     if not torch.cuda.is_available() or os.environ.get(CACHE_VARIABLE) != "1":
         return None
-    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    index = None if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
     argv = [sys.executable, "-m", "megatron_tree.attention.fa4_warmup", "--heads", str(heads), "--kv-heads",
             str(kv_heads), "--head-dim", str(head_dim), "--v-head-dim", str(v_head_dim or head_dim),
             "--device", str(index)] + (["--query-slots"] if query_slots else [])
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    return FA4Warmup(process, time.perf_counter())
+    return FA4Warmup.spawn(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _helper(code: str) -> FA4Warmup:
     """A stand-in helper process running ``code``."""
-    return FA4Warmup(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True), time.perf_counter())
+    return FA4Warmup.spawn([sys.executable, "-c", code])
 
 
 def test_wait_reports_what_was_compiled_skipped_or_failed():
@@ -34,6 +33,16 @@ def test_wait_reports_what_was_compiled_skipped_or_failed():
     failed = _helper("import sys; sys.exit('CUDA error: out of memory')").wait()
     assert failed == ("FA4 kernel warm-up failed (status 1: CUDA error: out of memory); the first step compiles the "
                       "kernels itself")
+
+
+def test_a_talkative_helper_runs_on_before_the_job_waits():
+    """Compiler logs go to a file: a helper writing more than a pipe holds still finishes on its own."""
+    helper = _helper("import json, sys; sys.stderr.write('log line\\n' * 50_000); print(json.dumps({'skipped': 'test'}))")
+    deadline = time.monotonic() + 60
+    while helper.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert helper.process.poll() == 0
+    assert helper.wait() == "FA4 kernel warm-up: nothing compiled (test)"
 
 
 def test_stop_ends_a_running_helper():
