@@ -29,7 +29,10 @@ import time
 import typing
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from megatron_tree.core.tree import build_forest
 
 __all__ = ["FA4Warmup", "start_fa4_warmup", "warm_up"]
 
@@ -37,14 +40,11 @@ CACHE_VARIABLE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
 def _branching_tree(prompt: int, samples: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``subtree_end`` int32 [1, T] of one prompt and its samples in DFS order (T = prompt + sum(samples))."""
-    total = prompt + sum(samples)
-    ends = [torch.full((prompt,), total, dtype=torch.int32)]
-    start = prompt
-    for n in samples:
-        ends.append(torch.full((n,), start + n, dtype=torch.int32))
-        start += n
-    return torch.cat(ends).to(device).unsqueeze(0)
+    """``subtree_end`` int32 [1, T] of one prompt and its samples (T = prompt + sum(samples)), by the packer's
+    :func:`~megatron_tree.core.tree.build_forest`."""
+    shared = np.arange(prompt)
+    forest = build_forest([np.concatenate([shared, np.full(n, prompt + i)]) for i, n in enumerate(samples)])
+    return torch.from_numpy(forest.subtree_end).to(device, torch.int32).unsqueeze(0)
 
 
 def warm_up(heads: int, kv_heads: int, head_dim: int, v_head_dim: int, *, query_slots: bool,

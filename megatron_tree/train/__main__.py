@@ -232,7 +232,9 @@ def persistent_kernel_cache() -> None:
     our tree mask_mods' ``__cute_hash__``, a hash of ours) is on unless ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED``
     is set. It takes ~12 s off the first step of every run after the first on a machine (docs/launcher.md,
     start-up); Inductor's and Triton's caches are on disk by default. Call before flash_attn is imported."""
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    from megatron_tree.attention.fa4_warmup import CACHE_VARIABLE
+
+    os.environ.setdefault(CACHE_VARIABLE, "1")
 
 
 class Terminated(Exception):
