@@ -16,6 +16,7 @@ forward + backward:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import time
 
@@ -78,7 +79,7 @@ def main() -> None:
     }
     rows = {f"{name}_{'forward_backward' if bwd else 'forward'}_us": per_call_us(fn, inp, bwd, args.calls)
             for name, (fn, inp) in ops.items() for bwd in (False, True)}
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, te=te.__version__, **rows)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, te=importlib.metadata.version("transformer_engine"), **rows)
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
