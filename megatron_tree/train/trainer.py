@@ -89,9 +89,9 @@ def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
     """Where the tree model may run FA4 (a GPU, bf16, backend ``auto`` or ``fa4``, FA4's persistent cache on):
     on each node's local rank 0 the helper process of :mod:`megatron_tree.attention.fa4_warmup` for this model's
     attention shape per tensor-parallel rank (:class:`~megatron_tree.attention.fa4_warmup.FA4Warmup`), on the other
-    ranks (and where it could not start) True: every rank waits for it before the first step; else None. The helper
-    compiles the kernels while the models are built; the query-slot mask's too when chunks or context parallel may
-    run."""
+    ranks (and where it could not start) True: every rank waits for it before the first step; else None. The
+    launcher starts it first thing, so it compiles while the job starts up (process groups, models, weights); the
+    query-slot mask's kernels too when chunks or context parallel may run."""
     from megatron_tree.attention.fa4_warmup import CACHE_VARIABLE, start_fa4_warmup
 
     wanted = (cuda and cfg.train.bf16 and cfg.train.attention_backend in ("auto", "fa4")
@@ -400,6 +400,9 @@ class Trainer:
         # some are needed at run time (MoE on megatron-core 0.16.1 without Transformer Engine).
         self._stack.enter_context(apply_compat_patches())
         self._stack.enter_context(cpu_mode())
+        # The language model's HF config, read first: FA4's warm-up helpers then compile through everything after it
+        hf_config = self._hf_text_config()
+        self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)
         self._stack.callback(self._destroy_distributed)
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
@@ -411,13 +414,8 @@ class Trainer:
 
         self._make_output_dirs()
         path, load = self._model_path()
-        from transformers import AutoConfig
-
-        # a multimodal checkpoint: its language model
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code).get_text_config()
         check_layers(hf_config.num_hidden_layers, cfg.parallel.pp, cfg.parallel.vpp)
         check_expert_parallel(hf_config, cfg.parallel.ep, cfg.model.hf_path or f"the tiny {cfg.model.arch} model")
-        self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)  # compiles while the models are built
         self.model, self.optimizer, self.bridge = build_model(cfg, path, load, self.cuda)
         self.scheduler = make_scheduler(cfg, self.optimizer)
         from megatron_tree.mcore.model_check import check_tree_model
@@ -479,6 +477,18 @@ class Trainer:
             self._open_sinks(config_source)
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _hf_text_config(self):
+        """The HF config of the model to train (of its language model, for a multimodal checkpoint): ``model.hf_path``'s,
+        or the tiny ``model.arch`` model's with ``model.hf_overrides`` (what :meth:`_model_path` writes)."""
+        m = self.cfg.model
+        if m.hf_path:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(m.hf_path, trust_remote_code=m.trust_remote_code).get_text_config()
+        from megatron_tree.runtime import tiny_hf_config
+
+        return tiny_hf_config(m.arch, **m.hf_overrides).get_text_config()
 
     def _model_path(self) -> tuple[str, bool]:
         """(HF directory, whether to load its weights). Without ``model.hf_path``, rank 0 writes a
