@@ -12,7 +12,7 @@ of 2026-12-03/04 compared a cold tree run with a flat run whose Inductor caches 
         --out benchmarks/results/te/startup.json
 
 JSON: per mode and run (``cold``, ``warm``) the first step's seconds (``first_step_s``), the seconds from launch to its
-end (``to_first_step_end_s``: model building and the FA4 warm-up helper's wait included), the median of the later
+end (``to_first_step_end_s``: model building and the wait for FA4's warm-up included), the median of the later
 steps (``later_step_s``), the process's wall seconds from start to exit (``wall_s``, model building included) and
 what the cache folders hold afterwards (``cache_mb``); the summaries ``first_step_gap_s`` and ``to_first_step_end_gap_s``: tree minus flat, cold and
 warm. Extra launcher flags after ``--``.

@@ -86,25 +86,20 @@ def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
 
 
 def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
-    """Where the tree model may run FA4 (a GPU, bf16, backend ``auto`` or ``fa4``, FA4's persistent cache on):
-    on each node's local rank 0 the helper process of :mod:`megatron_tree.attention.fa4_warmup` for this model's
-    attention shape per tensor-parallel rank (:class:`~megatron_tree.attention.fa4_warmup.FA4Warmup`), on the other
-    ranks (and where it could not start) True: every rank waits for it before the first step; else None. The
-    launcher starts it first thing, so it compiles while the job starts up (process groups, models, weights); the
-    query-slot mask's kernels too when chunks or context parallel may run."""
-    from megatron_tree.attention.fa4_warmup import CACHE_VARIABLE, start_fa4_warmup
+    """Where the tree model may run FA4 (a GPU, bf16, backend ``auto`` or ``fa4``): FA4's warm-up for this model's
+    attention shape per tensor-parallel rank in a background thread of this rank
+    (:func:`megatron_tree.attention.fa4_warmup.start_fa4_warmup`, on the GPU of ``LOCAL_RANK``), the query-slot
+    mask's kernels too under context parallel; else None. The launcher starts it first thing, so it compiles while
+    the job starts up (process groups, models, weights)."""
+    from megatron_tree.attention.fa4_warmup import start_fa4_warmup
 
-    wanted = (cuda and cfg.train.bf16 and cfg.train.attention_backend in ("auto", "fa4")
-              and uses_tree_model(cfg, cuda) and os.environ.get(CACHE_VARIABLE) == "1")
-    if not wanted:
+    if not (cuda and cfg.train.bf16 and cfg.train.attention_backend in ("auto", "fa4") and uses_tree_model(cfg, cuda)):
         return None
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return True
     tp, heads = cfg.parallel.tp, hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), head_dim,
-                            query_slots=cfg.micro_batch.chunk_trees or cfg.parallel.cp > 1) or True
+    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), head_dim, query_slots=cfg.parallel.cp > 1,
+                            device=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
@@ -400,7 +395,7 @@ class Trainer:
         # some are needed at run time (MoE on megatron-core 0.16.1 without Transformer Engine).
         self._stack.enter_context(apply_compat_patches())
         self._stack.enter_context(cpu_mode())
-        # The language model's HF config, read first: FA4's warm-up helpers then compile through everything after it
+        # The language model's HF config, read first: FA4's warm-up thread then compiles through everything after it
         hf_config = self._hf_text_config()
         self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)
         self._stack.callback(self._destroy_distributed)
@@ -598,15 +593,11 @@ class Trainer:
         return records
 
     def _wait_for_warmup(self) -> None:
-        """Before the first step: the node's kernel warm-up helper (:func:`start_kernel_warmup`, on local rank 0)
-        has finished, so every rank's first step finds its kernels in the cache."""
-        if self._warmup is None:
-            return
-        if self._warmup is not True:
+        """Before the first step: this rank's kernel warm-up (:func:`start_kernel_warmup`) has finished, so the first
+        step finds its kernels compiled."""
+        if self._warmup is not None:
             self._info(self._warmup.wait())
-        self._warmup = None
-        if dist.get_world_size() > 1:
-            dist.barrier()
+            self._warmup = None
 
     def _stop_agreed(self) -> bool:
         """Whether any rank has ``stop_requested`` (one all-reduce; every rank then stops after the same batch)."""
@@ -789,10 +780,10 @@ class Trainer:
             if self._tmp_dir and (not dist.is_initialized() or dist.get_rank() == 0):
                 shutil.rmtree(self._tmp_dir, ignore_errors=True)
         finally:
+            if self._warmup is not None:  # the job ended before its first step: the warm-up thread starts no more
+                self._warmup.stop()
             self._stack.close()
             _stop_helper_processes(self._children_before)
-            if hasattr(self._warmup, "stop"):
-                self._warmup.stop()
 
     def latest_checkpoint(self) -> str | None:
         """The checkpoint a resume would load from ``checkpoint.save`` (None without one)."""
