@@ -42,6 +42,11 @@ context, context parallel); a forward under no_grad (forward-only passes: FA4 ke
 backward (training). Each compiles its own kernels."""
 
 
+def _jobs(query_slots: bool) -> list[str]:
+    """The tree mask's :data:`JOBS`, with ``query_slots`` every one."""
+    return [job for job in JOBS if query_slots or job.startswith("tree:")]
+
+
 def _branching_tree(prompt: int, samples: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``subtree_end`` int32 [1, T] of one prompt and its samples (T = prompt + sum(samples)), by the packer's
     :func:`~megatron_tree.core.tree.build_forest`."""
@@ -168,8 +173,7 @@ def start_fa4_warmup(heads: int, kv_heads: int, head_dim: int, v_head_dim: int |
         import flash_attn.cute.interface  # noqa: F401  (see the docstring)
 
         fa4._mask_mods()
-    jobs = [job for job in JOBS if query_slots or job.startswith("tree:")]
-    v_head_dim = v_head_dim or head_dim
+    v_head_dim, jobs = v_head_dim or head_dim, _jobs(query_slots)
     return FA4Warmup(lambda stop: warm_up(heads, kv_heads, head_dim, v_head_dim, jobs=jobs, device=device, stop=stop))
 
 
@@ -188,13 +192,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.device is not None and args.device < 0:
         ap.error(f"--device is a CUDA device index (0, 1, ...), got {args.device}")
-    jobs = [job for job in JOBS if args.query_slots or job.startswith("tree:")]
     if not torch.cuda.is_available():
         result = {"skipped": "no CUDA GPU here"}
     else:
         device = torch.device("cuda", torch.cuda.current_device() if args.device is None else args.device)
-        result = warm_up(args.heads, args.kv_heads, args.head_dim, args.v_head_dim or args.head_dim, jobs=jobs,
-                         device=device)
+        result = warm_up(args.heads, args.kv_heads, args.head_dim, args.v_head_dim or args.head_dim,
+                         jobs=_jobs(args.query_slots), device=device)
     print(json.dumps(result), flush=True)
     return 0
 
