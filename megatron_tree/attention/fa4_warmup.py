@@ -10,7 +10,8 @@ a later job's warm-up loads them instead of compiling.
 
     python -m megatron_tree.attention.fa4_warmup --heads 16 --kv-heads 8 --head-dim 128 [--query-slots]
 
-fills that disk cache ahead of any job (a machine image, a container build), on the current CUDA device
+fills that disk cache ahead of any job (a machine image, a container build; it sets the variable unless it is set),
+on the current CUDA device
 (``--device``): the kernels of one attention shape per rank (query heads, key / value heads and head dims per
 tensor-parallel rank, bf16), forward without grad and forward + backward; with ``--query-slots`` also the query-slot
 mask's (chunks of trees larger than a micro-batch, context parallel). It prints one JSON line (``compiled_s`` per
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -178,8 +180,10 @@ def start_fa4_warmup(heads: int, kv_heads: int, head_dim: int, v_head_dim: int |
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_tree.attention.fa4_warmup",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_tree.attention.fa4_warmup",
+        description="Fill flash-attn-4's disk cache with the FA4 tree kernels of one attention shape per rank, ahead of "
+        f"any job ({CACHE_VARIABLE}=1 unless set; FLASH_ATTENTION_CUTE_DSL_CACHE_DIR picks the folder).")
     ap.add_argument("--heads", type=int, required=True, help="query heads per tensor-parallel rank")
     ap.add_argument("--kv-heads", type=int, required=True, help="key/value heads per tensor-parallel rank")
     ap.add_argument("--head-dim", type=int, required=True)
@@ -192,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.device is not None and args.device < 0:
         ap.error(f"--device is a CUDA device index (0, 1, ...), got {args.device}")
+    os.environ.setdefault(CACHE_VARIABLE, "1")  # before flash_attn is imported
     if not torch.cuda.is_available():
         result = {"skipped": "no CUDA GPU here"}
+    elif os.environ[CACHE_VARIABLE] != "1":
+        result = {"skipped": f"{CACHE_VARIABLE}={os.environ[CACHE_VARIABLE]}: flash-attn-4 would keep nothing on disk"}
     else:
         device = torch.device("cuda", torch.cuda.current_device() if args.device is None else args.device)
         result = warm_up(args.heads, args.kv_heads, args.head_dim, args.v_head_dim or args.head_dim,

@@ -64,13 +64,20 @@ def test_its_inputs_leave_the_job_random_state_alone():
 
 
 def test_cli_says_what_it_skips_and_refuses_bad_values():
-    def run(*args):
+    def run(*args, env=None):
         return subprocess.run([sys.executable, "-m", "megatron_tree.attention.fa4_warmup", *args], capture_output=True,
-                              text=True, cwd=REPO, timeout=120)
+                              text=True, cwd=REPO, timeout=120, env=env)
 
     if not torch.cuda.is_available():
         ok = run("--heads", "16", "--kv-heads", "8", "--head-dim", "128")
         assert ok.returncode == 0 and json.loads(ok.stdout) == {"skipped": "no CUDA GPU here"}, ok.stderr
+    else:
+        import os
+
+        off = run("--heads", "16", "--kv-heads", "8", "--head-dim", "128",
+                  env={**os.environ, fa4_warmup.CACHE_VARIABLE: "0"})
+        assert json.loads(off.stdout) == {"skipped": "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0: flash-attn-4 would "
+                                                     "keep nothing on disk"}, off.stderr
     bad = run("--heads", "16", "--kv-heads", "0", "--head-dim", "128")
     assert bad.returncode == 2 and "--kv-heads must be at least 1, got 0" in bad.stderr
     bad = run("--heads", "16", "--kv-heads", "8", "--head-dim", "128", "--device", "-1")
