@@ -9,8 +9,11 @@
 #   bash benchmarks/gpu_rl_passes.sh          # there, with .whl and .te carried
 #
 # fp32 runs turn TF32 off (NVIDIA_TF32_OVERRIDE=0). PPO_STEPS (default 4) sets the PPO run length; PART=ppo runs
-# step 3 alone; PPO_ARGS adds launcher flags to both modes' PPO runs (steps 3, profile, startup), e.g.
-# PPO_ARGS="--forward-max-tokens-per-mb 65536". The summary gives the whole step's and each model pass's median (records' pass_*_s).
+# step 3 alone; PPO_ARGS adds launcher flags to both modes' PPO runs (steps 3, profile, startup), PPO_TREE_ARGS /
+# PPO_FLAT_ARGS to one mode's in step 3 (each mode at its best: the flat step's fp32 logits of a 64k-token forward
+# micro-batch do not fit an 80 GB card), e.g. PPO_TREE_ARGS="--forward-max-tokens-per-mb 65536"
+# PPO_FLAT_ARGS="--forward-max-tokens-per-mb 32768". The summary gives the whole step's and each model pass's median
+# (records' pass_*_s).
 # Two more parts, each alone, on PPO_CONFIG (FA4 staged first: benchmarks/fa4_stage.sh):
 #   PART=profile  benchmarks/ppo_profile.py, 2 warm-up steps then one with every pass profiled, tree and flat
 #                 (-> $OUT/ppo_profile.json: per pass wall / device busy / idle and the host ops the GPU waited on);
@@ -46,9 +49,10 @@ case "${PART:-all}" in
              --out "$OUT/startup.json" -- ${PPO_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$LOG"; exit ;;
 esac
 for mode in tree-training no-tree-training; do
-  echo "== PPO whole step, $PPO_CONFIG, bf16, TE: --$mode" | tee -a "$LOG"
+  [ "$mode" = tree-training ] && extra=${PPO_TREE_ARGS:-} || extra=${PPO_FLAT_ARGS:-}
+  echo "== PPO whole step, $PPO_CONFIG, bf16, TE: --$mode ${PPO_ARGS:-} $extra" | tee -a "$LOG"
   timeout 420 python3 -m megatron_tree.train --config "$PPO_CONFIG" --steps "${PPO_STEPS:-4}" \
-    --"$mode" ${PPO_ARGS:-} --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
+    --"$mode" ${PPO_ARGS:-} $extra --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
 done
 python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import json, statistics, sys
