@@ -89,8 +89,9 @@ def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
     """Where the tree model may run FA4 (a GPU, bf16, backend ``auto`` or ``fa4``): FA4's warm-up for this model's
     attention shape per tensor-parallel rank in a background thread of this rank
     (:func:`megatron_tree.attention.fa4_warmup.start_fa4_warmup`, on the GPU of ``LOCAL_RANK``), the query-slot
-    mask's kernels too under context parallel; else None. The launcher starts it first thing, so it compiles while
-    the job starts up (process groups, models, weights)."""
+    mask's kernels too under context parallel; else None. The launcher starts it once the process groups exist
+    (each rank on its GPU), before anything else, so it compiles while the models are built and their weights
+    loaded."""
     from megatron_tree.attention.fa4_warmup import start_fa4_warmup
 
     if not (cuda and cfg.train.bf16 and cfg.train.attention_backend in ("auto", "fa4") and uses_tree_model(cfg, cuda)):
@@ -98,8 +99,7 @@ def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
     tp, heads = cfg.parallel.tp, hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), head_dim, query_slots=cfg.parallel.cp > 1,
-                            device=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), head_dim, query_slots=cfg.parallel.cp > 1)
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
@@ -395,14 +395,14 @@ class Trainer:
         # some are needed at run time (MoE on megatron-core 0.16.1 without Transformer Engine).
         self._stack.enter_context(apply_compat_patches())
         self._stack.enter_context(cpu_mode())
-        # The language model's HF config, read first: FA4's warm-up thread then compiles through everything after it
-        hf_config = self._hf_text_config()
-        self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)
         self._stack.callback(self._destroy_distributed)
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        init_distributed(cfg.parallel, cfg.train.seed + 1, self.cuda)
+        init_distributed(cfg.parallel, cfg.train.seed + 1, self.cuda)  # each rank on the GPU of its LOCAL_RANK
+        # The language model's HF config, read first: FA4's warm-up thread then compiles through everything after it
+        hf_config = self._hf_text_config()
+        self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)
         self.rank = dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
