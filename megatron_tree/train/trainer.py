@@ -88,7 +88,7 @@ def uses_tree_model(cfg: RunConfig, cuda: bool) -> bool:
 def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
     """Where the tree model may run FA4 (a GPU, bf16, backend ``auto`` or ``fa4``): FA4's warm-up for this model's
     attention shape per tensor-parallel rank in a background thread of this rank
-    (:func:`megatron_tree.attention.fa4_warmup.start_fa4_warmup`, on the GPU of ``LOCAL_RANK``), the query-slot
+    (:func:`megatron_tree.attention.fa4_warmup.start_fa4_warmup`, on the rank's current GPU), the query-slot
     mask's kernels too under context parallel; else None. The launcher starts it once the process groups exist
     (each rank on its GPU), before anything else, so it compiles while the models are built and their weights
     loaded."""
@@ -400,7 +400,7 @@ class Trainer:
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         init_distributed(cfg.parallel, cfg.train.seed + 1, self.cuda)  # each rank on the GPU of its LOCAL_RANK
-        # The language model's HF config, read first: FA4's warm-up thread then compiles through everything after it
+        # The language model's HF config first: FA4's warm-up thread then compiles while the rest is set up
         hf_config = self._hf_text_config()
         self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)
         self.rank = dist.get_rank()
