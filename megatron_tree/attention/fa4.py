@@ -193,6 +193,10 @@ def _flash(query, key, value, mask: FA4TreeMask, softmax_scale: float) -> torch.
         aux_tensors=list(mask.aux),
         block_sparse_tensors=mask.forward,
         block_sparse_tensors_bwd=mask.backward,
+        # forward-only passes (no_grad, recompute's first forward) then run the training forward's kernel, the one
+        # that writes the log-sum-exp (one kernel to compile, not two; the same output); an unused log-sum-exp
+        # adds nothing to the backward (FA4 leaves its gradient None)
+        return_lse=True,
     )
     return out.transpose(1, 2)
 

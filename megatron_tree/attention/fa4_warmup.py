@@ -1,7 +1,7 @@
 """Compile the FA4 tree kernels ahead, in a background thread, while the job starts up.
 
-A job's first FA4 call compiles its kernels (CuTe DSL: seconds each; forward, backward, and the forward without a
-log-sum-exp that forward-only passes run). :func:`start_fa4_warmup` runs the kernels of the model's attention shape
+A job's first FA4 call compiles its kernels (CuTe DSL: seconds each; the forward, which forward-only passes run
+too, and the backward). :func:`start_fa4_warmup` runs the kernels of the model's attention shape
 once on a small branching tree in a thread of the job's own process, while the main thread creates the process
 groups, builds the models and loads their weights; :meth:`FA4Warmup.wait` joins it before the first step, which then
 finds the kernels in flash-attn-4's in-memory cache. With ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` (the
@@ -13,7 +13,7 @@ a later job's warm-up loads them instead of compiling.
 fills that disk cache ahead of any job (a machine image, a container build; it sets the variable unless it is set),
 on the current CUDA device
 (``--device``): the kernels of one attention shape per rank (query heads, key / value heads and head dims per
-tensor-parallel rank, bf16), forward without grad and forward + backward; with ``--query-slots`` also the query-slot
+tensor-parallel rank, bf16), forward and backward; with ``--query-slots`` also the query-slot
 mask's (chunks of trees larger than a micro-batch, context parallel). It prints one JSON line (``compiled_s`` per
 job, or ``skipped`` with the reason: FA4 does not run here or is not proven on the shape, nothing to compile) and
 exits 0.
@@ -38,15 +38,15 @@ __all__ = ["FA4Warmup", "start_fa4_warmup", "warm_up"]
 
 CACHE_VARIABLE = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
-JOBS = ("tree:forward", "tree:train", "query_slots:forward", "query_slots:train")
-"""The warm-up's jobs, ``MASK:PASS``: the tree mask (row i is slot i) or the query-slot mask (a chunk behind its
-context, context parallel); a forward under no_grad (forward-only passes: FA4 keeps no log-sum-exp) or forward +
-backward (training). Each compiles its own kernels."""
+JOBS = ("tree", "query_slots")
+"""The warm-up's jobs, one per mask: the tree mask (row i is slot i) and the query-slot mask (a chunk behind its
+context, context parallel). Each runs a forward + backward and compiles their kernels; forward-only passes run the
+same forward kernel (:func:`megatron_tree.attention.fa4.fa4_tree_attention` always has it write the log-sum-exp)."""
 
 
 def _jobs(query_slots: bool) -> list[str]:
-    """The tree mask's :data:`JOBS`, with ``query_slots`` every one."""
-    return [job for job in JOBS if query_slots or job.startswith("tree:")]
+    """``["tree"]``, with ``query_slots`` every one of :data:`JOBS`."""
+    return list(JOBS) if query_slots else ["tree"]
 
 
 def _branching_tree(prompt: int, samples: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -59,7 +59,7 @@ def _branching_tree(prompt: int, samples: tuple[int, ...], device: torch.device)
 
 def warm_up(heads: int, kv_heads: int, head_dim: int, v_head_dim: int, *, jobs: typing.Sequence[str],
             device: torch.device, stop: threading.Event | None = None) -> dict:
-    """Run the FA4 tree kernels of this shape once for each of ``jobs`` (:data:`JOBS`, ``"MASK:PASS"``), in order, on
+    """Run the FA4 tree kernels of this shape forward and backward once for each of ``jobs`` (:data:`JOBS`), in order, on
     ``device`` (made the calling thread's current device); ``stop`` set: no further job starts. Draws its inputs from a
     generator of its own (the job's random state stays as it was). Returns ``{"compiled_s": {job: s}}`` or
     ``{"skipped": reason}``."""
@@ -80,19 +80,12 @@ def warm_up(heads: int, kv_heads: int, head_dim: int, v_head_dim: int, *, jobs: 
     for job in jobs:
         if stop is not None and stop.is_set():
             break
-        mask_kind, pass_ = job.split(":")
         start = time.perf_counter()
-        c = context[mask_kind]
+        c = context[job]
         mask = fa4.fa4_tree_mask(end[0], torch.arange(c, t, device=device, dtype=torch.int32) if c else None)
-        # as a layer's: requiring grad in training (FA4 then keeps the log-sum-exp: another kernel), not in a
-        # forward-only pass under no_grad
-        grad = pass_ == "train"
-        q, k, v = (x.detach().requires_grad_(grad) for x in
+        q, k, v = (x.detach().requires_grad_() for x in
                    _layer_inputs(t - c, t, heads, kv_heads, head_dim, v_head_dim, c > 0, generator))
-        with torch.set_grad_enabled(grad):
-            out = fa4.fa4_tree_attention(q, k, v, mask)
-        if grad:
-            out.sum().backward()
+        fa4.fa4_tree_attention(q, k, v, mask).sum().backward()
         torch.cuda.synchronize(device)
         compiled[job] = round(time.perf_counter() - start, 2)
     return {"compiled_s": compiled}

@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_wait_reports_what_was_compiled_skipped_or_failed():
-    done = FA4Warmup(lambda stop: {"compiled_s": {"tree:forward": 3.25, "tree:train": 2.5}}).wait()
-    assert done.startswith("FA4 kernels compiled ahead in a background thread (tree:forward 3.2 s, tree:train 2.5 s;"), done
+    done = FA4Warmup(lambda stop: {"compiled_s": {"tree": 3.25, "query_slots": 2.5}}).wait()
+    assert done.startswith("FA4 kernels compiled ahead in a background thread (tree 3.2 s, query_slots 2.5 s;"), done
     skipped = FA4Warmup(lambda stop: {"skipped": "no CUDA GPU here"}).wait()
     assert skipped == "FA4 kernel warm-up: nothing compiled (no CUDA GPU here)"
 
@@ -38,7 +38,7 @@ def test_the_job_goes_on_while_it_runs_and_stop_starts_no_further_job():
     ran = []
 
     def jobs(stop):
-        for job in ("tree:forward", "tree:train"):
+        for job in ("tree", "query_slots"):
             if stop.is_set():
                 break
             ran.append(job)
@@ -49,7 +49,7 @@ def test_the_job_goes_on_while_it_runs_and_stop_starts_no_further_job():
     assert warmup.thread.is_alive()  # start_fa4_warmup returns at once: the job builds its models meanwhile
     start = time.perf_counter()
     warmup.stop()
-    assert not warmup.thread.is_alive() and time.perf_counter() - start < 10 and ran == ["tree:forward"]
+    assert not warmup.thread.is_alive() and time.perf_counter() - start < 10 and ran == ["tree"]
 
 
 def test_its_inputs_leave_the_job_random_state_alone():
