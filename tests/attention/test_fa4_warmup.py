@@ -122,8 +122,9 @@ def test_launcher_starts_it_only_where_fa4_may_run(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not fa4_available(), reason="needs a Hopper GPU and flash-attn-4")
 def test_first_step_compiles_nothing_the_warm_up_did_not(tmp_path):
-    """The command-line warm-up alone fills an empty disk cache; then a launcher run (bf16, FA4 on head dim 64, GQA 2:1)
-    adds no entry: every kernel its steps ran was one the warm-up compiled (its own thread loads them)."""
+    """The command-line warm-up alone fills an empty disk cache; then a launcher run (bf16, FA4 on head dim 64, GQA 2:1;
+    PPO: forward-only passes under no_grad, and full recompute's first forward too) adds no entry: every kernel its
+    steps ran was one the warm-up compiled (its own thread loads them)."""
     cache = tmp_path / "cache"
     env = {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache)}
     helper = subprocess.run([sys.executable, "-m", "megatron_tree.attention.fa4_warmup", "--heads", "4", "--kv-heads",
@@ -136,7 +137,7 @@ def test_first_step_compiles_nothing_the_warm_up_did_not(tmp_path):
     config["model"]["hf_overrides"]["head_dim"] = 64
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     run = subprocess.run([sys.executable, "-m", "megatron_tree.train", "--config", str(tmp_path / "run.yaml"), "--bf16",
-                          "--steps", "2", "--no-progress"], capture_output=True, text=True, cwd=REPO,
+                          "--steps", "2", "--loss", "ppo", "--recompute", "full", "--no-progress"], capture_output=True, text=True, cwd=REPO,
                          env={**_env(), **env}, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0 and "FA4 kernels compiled ahead in a background thread" in out, out[-4000:]
