@@ -369,19 +369,27 @@ DENSE_KERNELS = ("causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen", "f
 
 
 def bench_te_thd(seq_lens, args, dev, gen) -> dict:
-    """The flat sequences through TE's cuDNN fused attention, THD (Megatron's packed sequences); {} without TE."""
+    """The flat sequences through TE's cuDNN fused attention, THD (Megatron's packed sequences, as megatron-core's
+    TE spec calls it: ``padding_causal``, whatever shapes our own chains backend is proven on); {} without TE."""
     from megatron_tree.core.platform import have_transformer_engine
 
     if not have_transformer_engine():
         return {}
-    from megatron_tree.attention.te_chains import te_chain_attention
+    from transformer_engine.pytorch import DotProductAttention
 
-    n = sum(seq_lens)
+    n, longest = sum(seq_lens), max(seq_lens)
     q, k, v, g = bf16_inputs(n, dev, gen)
     cu = torch.as_tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32, device=dev)
-    scale = HEAD_DIM**-0.5
-    out = {"flat_te_thd": time_fwd_bwd(lambda q, k, v: te_chain_attention(q, k, v, cu, max(seq_lens), scale=scale),
-                                       [q, k, v], g, args)}  # fmt: skip
+    te = DotProductAttention(HEADS, HEAD_DIM, num_gqa_groups=KV_HEADS, qkv_format="thd",
+                             attn_mask_type="padding_causal", softmax_scale=HEAD_DIM**-0.5)
+
+    def thd(q, k, v):  # [1, heads, s, d] -> TE's [s, heads, d] and back
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+        out = te(q, k, v, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                 max_seqlen_kv=longest)
+        return out.view(n, HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0)
+
+    out = {"flat_te_thd": time_fwd_bwd(thd, [q, k, v], g, args)}
     print(f"  flat_te_thd {out['flat_te_thd']}", flush=True)
     return out
 
