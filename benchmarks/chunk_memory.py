@@ -22,11 +22,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from e2e_bench import MODELS, chunk_pairs, flops_per_token_and_pair, workloads
+from e2e_bench import MODELS, flops_per_token_and_pair, workloads
 from transformers import AutoConfig
 
 from megatron_tree import MicroBatchSpec, PackingStats, pack_trees
 from megatron_tree.core.chunks import released_after
+from megatron_tree.core.flops import micro_batch_work
 from megatron_tree.mcore.chunk_schedule import ChunkedTree, release_chunks, run_chunked_tree
 from megatron_tree.mcore.schedule import schedule_steps
 
@@ -97,7 +98,8 @@ def main():
                 stats = PackingStats.of(mbs)
                 runs = schedule_steps(mbs)
                 steps = [kept_slots(s) if isinstance(s, list) else s.num_tokens for s in runs]
-                forwards = {id(mb): (per_token * mb.num_tokens + per_pair * chunk_pairs(mb)) / 3 for mb in mbs}
+                forwards = {id(mb): (per_token * work[0] + per_pair * work[1]) / 3
+                            for mb, work in ((mb, micro_batch_work(mb)) for mb in mbs)}
                 step_flops = 3 * sum(forwards.values())  # forward and backward of every computed token and pair
                 extra, fewest = 0.0, 0.0
                 for run in (s for s in runs if isinstance(s, list)):

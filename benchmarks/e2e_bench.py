@@ -50,11 +50,11 @@ import time
 import numpy as np
 import torch
 
-from attention_bench import tree_pairs
 from step_profile import OPTIMIZER_REGION, profile_step
 from transformers import AutoConfig
 
 from megatron_tree import MicroBatchSpec, PackingStats, build_forest, pack_trees
+from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.ops.losses import sft_loss
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 from megatron_tree.core.tree import as_sequences
@@ -121,78 +121,16 @@ def workloads(name: str, rng: np.random.Generator, vocab: int, scale: float = 1.
     raise ValueError(f"unknown workload {name!r}; choose grpo, multi_turn, no_sharing, long_multi_turn")
 
 
-GATED_ATTENTION = ("qwen3_5_text", "qwen3_next")
-"""HF model types whose full-attention ``q_proj`` also computes a per-head output gate (twice the query width)."""
-
-
 def head_dim(cfg) -> int:
     """The attention head dim of HF config ``cfg``: ``head_dim``, else hidden size / heads."""
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def flops_per_token_and_pair(cfg) -> tuple[float, float]:
-    """fwd+bwd FLOPs (3x forward) of one token through everything that grows with tokens (the linear layers, the Gated
-    DeltaNet layers, the output layer), and of one (q, k) pair through the full-attention layers (QK^T and PV).
-
-    A Gated DeltaNet layer per token: ``in_proj`` (q, k, v, output gate, beta, decay), its causal conv, the delta
-    rule as a recurrence (reading the state with k and with q, the rank-one write: 3 x Hv dk dv multiply-adds) and
-    ``out_proj``. Layers are full attention unless ``layer_types`` says ``linear_attention``; multi-latent attention
-    (``kv_lora_rank``) counts its low-rank projections, its pairs q/k head dim ``qk_nope + qk_rope`` and value head
-    dim ``v_head_dim``. MoE layers count their top-k experts, the router and the shared experts (Qwen's gated one,
-    or DeepSeek's / GLM's ``n_shared_experts``); ``mlp_only_layers`` and the first ``first_k_dense_replace`` layers
-    are dense."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    linear = sum(t == "linear_attention" for t in types)
-    full = len(types) - linear
-    nq, nkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if getattr(cfg, "kv_lora_rank", None):  # multi-latent attention
-        d_qk, d_v, rank = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        q = h * cfg.q_lora_rank + cfg.q_lora_rank * nq * d_qk if getattr(cfg, "q_lora_rank", None) else h * nq * d_qk
-        attn_proj = q + h * (rank + cfg.qk_rope_head_dim) + rank * nq * (cfg.qk_nope_head_dim + d_v) + nq * d_v * h
-    else:
-        d_qk = d_v = head_dim(cfg)
-        gate = 2 if cfg.model_type in GATED_ATTENTION else 1
-        attn_proj = h * gate * nq * d_qk + 2 * h * nkv * d_qk + nq * d_qk * h
-    gdn = 0
-    if linear:
-        qk, hv, dv = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        vd = hv * dv
-        gdn = (h * (2 * qk + 2 * vd + 2 * hv) + cfg.linear_conv_kernel_dim * (2 * qk + vd)
-               + 3 * hv * cfg.linear_key_head_dim * dv + vd * h)
-    dense = 3 * h * cfg.intermediate_size if getattr(cfg, "intermediate_size", None) else 0
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
-    if experts:
-        ffn = cfg.moe_intermediate_size
-        shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
-        moe = cfg.num_experts_per_tok * 3 * h * ffn + h * experts
-        moe += (3 * h * shared + h) if shared else 0  # Qwen's shared expert and its sigmoid gate
-        moe += 3 * h * ffn * (getattr(cfg, "n_shared_experts", 0) or 0)  # DeepSeek's / GLM's shared experts
-        n_dense = len(getattr(cfg, "mlp_only_layers", None) or []) + (getattr(cfg, "first_k_dense_replace", 0) or 0)
-        mlp = (len(types) - n_dense) * moe + n_dense * dense
-    else:
-        mlp = len(types) * dense
-    per_token = 3 * 2 * (full * attn_proj + linear * gdn + mlp + h * v)
-    per_pair = 3 * 2 * nq * (d_qk + d_v) * full
-    return float(per_token), float(per_pair)
-
-
-def packed_work(mbs) -> tuple[int, float]:
-    """(tokens, (query, key) pairs) the micro-batches really compute, padding slots excluded
-    (pairs as :func:`attention_bench.tree_pairs` counts them; a chunk's queries also see its context keys)."""
-    tokens = sum(mb.num_tokens for mb in mbs)
-    return tokens, float(sum(chunk_pairs(mb) for mb in mbs))
-
-
-def chunk_pairs(mb) -> int:
-    """(query, key) pairs of one micro-batch's real slots; a chunk (``chunk_trees``): its queries against its
-    context and own keys (``context_mask``: the first C entries are the context)."""
-    if mb.context_mask is None:
-        return tree_pairs(mb.attention_mask[0], mb.num_tokens)
-    c = mb.context_mask.shape[1] - mb.num_slots
-    n = c + mb.num_tokens
-    end = mb.context_mask[0, :n].long().clamp(max=n)
-    return int((end - torch.arange(n).clamp(min=c)).sum())
+    """fwd+bwd FLOPs (3x forward) of one token through everything that grows with tokens (the layers and the output
+    layer), and of one (q, k) pair through the full-attention layers: :class:`megatron_tree.core.flops.ModelFlops`."""
+    f = ModelFlops.of(cfg)
+    return 3 * (f.per_token + f.output_per_token), 3 * f.per_pair
 
 
 def train_step(model, optimizer, mbs, loss_fn, run, between=None) -> None:
@@ -393,7 +331,7 @@ def main():
                                  peak_mem_gib=peak, micro_batches=len(mbs), max_mb_slots=max(mb.num_slots for mb in mbs),
                                  computed_tokens=computed_tokens, computed_pairs=computed_pairs,
                                  recomputed_tokens=PackingStats.of(mbs).recomputed_tokens,
-                                 recomputed_pairs=float(sum(chunk_pairs(mb) for mb in mbs if mb.reruns_forward)),
+                                 recomputed_pairs=packed_work([mb for mb in mbs if mb.reruns_forward])[1],
                                  tflops_per_s=flops / step_s / 1e12)
                 if args.profile:
                     row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))

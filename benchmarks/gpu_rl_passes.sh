@@ -61,6 +61,9 @@ records = {name: [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"st
 def med(name, key="step_s"):  # median after the first step
     return statistics.median(r[key] for r in records[name][1:])
 tree, flat, last_t, last_f = med("tree"), med("no"), records["tree"][-1], records["no"][-1]
+flops = {name: rs[-1]["tflops_per_gpu"] * rs[-1]["step_s"] for name, rs in records.items()}  # TFLOP of a step
+print(f"model TFLOP/s tree {flops['tree'] / tree:.0f}, flat {flops['no'] / flat:.0f}; FLOP ideal "
+      f"{flops['no'] / flops['tree']:.2f}x, achieved {flat / tree / (flops['no'] / flops['tree']):.2f}")
 print(f"PPO step median after the first: tree {tree:.2f} s, flat {flat:.2f} s, flat/tree {flat / tree:.2f}"
       f" (tree_token_ratio {last_t.get('tree_token_ratio', float('nan')):.3f}; micro-batches tree / flat: updates "
       f"{last_t['micro_batches']} / {last_f['micro_batches']}, forward-only passes {last_t.get('forward_micro_batches')}"

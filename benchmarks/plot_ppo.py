@@ -4,7 +4,8 @@
         --out benchmarks/results/te/ppo_h200.png
 
 Bars: each step's wall time (``step_s``; the first step includes compilation); the title gives the
-median speedup after the first step next to the ideal 1 / ``tree_token_ratio``.
+median speedup after the first step next to the FLOP ideal (flat / tree model FLOPs of a step, from the records'
+``tflops_per_gpu``; older records: 1 / ``tree_token_ratio``).
 """
 
 import argparse
@@ -26,7 +27,12 @@ def main():
     runs = {name: [json.loads(line) for line in open(path) if '"step_s"' in line]
             for name, path in (("tree", args.tree), ("flat", args.flat))}  # fmt: skip
     med = {name: statistics.median(r["step_s"] for r in rows[1:]) for name, rows in runs.items()}
-    ideal = 1 / runs["tree"][-1]["tree_token_ratio"]
+    last = {name: rows[-1] for name, rows in runs.items()}
+    if all("tflops_per_gpu" in r for r in last.values()):  # the FLOP ideal: flat / tree model FLOPs of a step
+        flops = {name: r["tflops_per_gpu"] * r["step_s"] for name, r in last.items()}
+        ideal, kind = flops["flat"] / flops["tree"], "FLOP ideal"
+    else:  # records from before the launcher logged model FLOPs: the linear layers' ideal
+        ideal, kind = 1 / last["tree"]["tree_token_ratio"], "token ideal"
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for k, (name, rows) in enumerate(runs.items()):
         ax.bar([r["step"] + 0.2 * (2 * k - 1) for r in rows], [r["step_s"] for r in rows], width=0.4,
@@ -34,7 +40,7 @@ def main():
     ax.set_xlabel("step")
     ax.set_ylabel("whole PPO step, s")
     ax.set_yscale("log")
-    ax.set_title(f"PPO step, tree vs flat: {med['flat'] / med['tree']:.2f}x (ideal {ideal:.2f}x)", fontsize=10)
+    ax.set_title(f"PPO step, tree vs flat: {med['flat'] / med['tree']:.2f}x ({kind} {ideal:.2f}x)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)

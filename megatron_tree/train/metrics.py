@@ -31,7 +31,7 @@ def format_line(record: dict[str, Any], steps: int) -> str:
     grad = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.4f}"
     return (
         f" iteration {record['step']:4d}/{steps} | lr {record['lr']:.3E} | loss {record['loss']:.5f} | grad norm {grad} | tokens/s "
-        f"{record['tokens_per_s']:.0f} | tree_token_ratio {record['tree_token_ratio']:.3f} | micro-batches "
+        f"{record['tokens_per_s']:.0f} | TFLOP/s/GPU {record['tflops_per_gpu']:.3g} | tree_token_ratio {record['tree_token_ratio']:.3f} | micro-batches "
         f"{record['micro_batches']} | mb imbalance {record['mb_imbalance']:.3f} | dp tree-token imbalance "
         f"{record['dp_tree_token_imbalance']:.3f}"
         + (f" | cp pair imbalance {record['cp_pair_imbalance']:.3f}" if "cp_pair_imbalance" in record else "")

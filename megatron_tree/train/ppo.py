@@ -37,12 +37,14 @@ from megatron_tree.ops.losses import ppo_clip_loss, value_loss
 @dataclasses.dataclass
 class PPOModels:
     """What PPO adds to the actor: ``reference`` / ``reward`` model chunks (forward only), the
-    ``critic`` chunks (DDP) and its optimizer."""
+    ``critic`` chunks (DDP) and its optimizer; ``reward_hf_config`` the reward model's HF text config (the critic's
+    and the reference's are the actor's)."""
 
     reference: list[torch.nn.Module]
     critic: list[torch.nn.Module]
     critic_optimizer: Any
     reward: list[torch.nn.Module]
+    reward_hf_config: Any
 
 
 def build_ppo_models(
@@ -68,11 +70,12 @@ def build_ppo_models(
     _, critic = build_model(path, load_weights=load, value_head=True, wrap_with_ddp=True, ddp_config=ddp,
                                  **common)  # fmt: skip
     reward_path = t.reward_model or path
-    _, reward = build_model(reward_path, load_weights=load or bool(t.reward_model), value_head=True,
-                                 wrap_with_ddp=False, **common)  # fmt: skip
+    reward_bridge, reward = build_model(reward_path, load_weights=load or bool(t.reward_model), value_head=True,
+                                        wrap_with_ddp=False, **common)  # fmt: skip
     for chunk in reward:
         chunk.requires_grad_(False)
-    return PPOModels(reference=reference, critic=critic, critic_optimizer=make_optimizer(critic), reward=reward)
+    return PPOModels(reference=reference, critic=critic, critic_optimizer=make_optimizer(critic), reward=reward,
+                     reward_hf_config=reward_bridge.hf_config.get_text_config())
 
 
 def gae(

@@ -38,6 +38,7 @@ from megatron_tree import (
     pack_trees,
     pack_vision_trees,
 )
+from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.mcore.data_parallel import describe, sync_params
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
@@ -264,17 +265,19 @@ def nonfinite(losses: dict[str, float], grad_norms: dict[str, float]) -> str | N
 
 
 def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, skipped, cuda,
-                slot_multiple) -> dict[str, Any]:
+                slot_multiple, flops) -> dict[str, Any]:
     """Global (all-rank) metrics of step ``step`` (1-based): ``loss`` and ``loss_tokens`` as
     :func:`loss_and_grad_norm` gives them (the same on every rank), ``grad_norm`` the optimizer's
     (None where it gives none or the update was ``skipped``). ``slot_multiple``: what the schedule
-    pads micro-batches to (for the context-parallel balance)."""
+    pads micro-batches to (for the context-parallel balance); ``flops``: this data-parallel rank's model FLOPs of the
+    step (:meth:`Trainer.model_flops`), summed over the ranks into ``tflops_per_gpu`` (per GPU of the world, as
+    Megatron's ``throughput per GPU (TFLOP/s/GPU)``)."""
     from megatron.core import parallel_state as ps
 
     device = "cuda" if cuda else "cpu"
     stats = PackingStats.of(mbs, spec.max_tokens_per_mb)
-    tokens = torch.tensor([stats.original_tokens, stats.tree_tokens, stats.recomputed_tokens], dtype=torch.float64,
-                          device=device)
+    tokens = torch.tensor([stats.original_tokens, stats.tree_tokens, stats.recomputed_tokens, flops],
+                          dtype=torch.float64, device=device)
     peak = torch.tensor([peak_memory_gib(cuda)], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dp_group = ps.get_data_parallel_group()
@@ -282,7 +285,7 @@ def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s
     dist.all_gather(per_rank, torch.tensor([len(mbs), stats.tree_tokens], dtype=torch.float64, device=device),
                     group=dp_group)
     dist.all_reduce(tokens, group=dp_group)
-    original, tree, recomputed = tokens.tolist()
+    original, tree, recomputed, flops = tokens.tolist()
     rank_tokens = [sum(len(seqs[i]) for i in idx) for idx in shares]
     return dict(
         step=step,
@@ -294,6 +297,7 @@ def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s
         pack_s=pack_s,
         tokens_per_s=original / step_s,
         tree_tokens_per_s=tree / step_s,
+        tflops_per_gpu=flops / step_s / dist.get_world_size() / 1e12,
         original_tokens=int(original),
         tree_tokens=int(tree),
         tree_token_ratio=tree / original,
@@ -403,6 +407,7 @@ class Trainer:
         # The language model's HF config first: FA4's warm-up thread then compiles while the rest is set up
         hf_config = self._hf_text_config()
         self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)
+        self.flops = ModelFlops.of(hf_config)
         self.rank = dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group() if self.dp > 1 else None
@@ -637,7 +642,8 @@ class Trainer:
             shares = [np.arange(len(seqs))]
         mine = ids[np.asarray(shares[self.dp_rank], dtype=np.int64)]
         mbs = self._pack(batch, mine, self.spec)
-        part = dict(seqs=seqs, shares=shares, mine=mine, mbs=mbs, pack_s=time.perf_counter() - t0, old=None)
+        part = dict(seqs=seqs, shares=shares, mine=mine, mbs=mbs, pack_s=time.perf_counter() - t0, old=None,
+                    work=packed_work(mbs))
         t = self.cfg.train
         forward_passes = self.ppo is not None or (
             t.loss == "grpo" and t.ppo_epochs * t.ppo_mini_batches > 1
@@ -647,6 +653,7 @@ class Trainer:
             fwd_mbs = mbs if self.forward_spec is self.spec else self._pack(batch, mine, self.forward_spec)
             part["pack_s"] += time.perf_counter() - t1
             part["forward_micro_batches"] = len(fwd_mbs)
+            part["forward_work"] = packed_work(fwd_mbs)
         if self.ppo is not None:
             from megatron_tree.train.ppo import ppo_targets
 
@@ -720,12 +727,29 @@ class Trainer:
         step_s = time.perf_counter() - t0 + (part["prepare_s"] if first else 0.0)
         record = step_record(self.iteration, loss, loss_tokens, mbs, self.spec, part["seqs"], part["shares"],
                              step_s, part["pack_s"] if first else 0.0, grad_norm, skipped, self.cuda,
-                             schedule_slot_multiple(self.model[0])) | {"lr": lr} | extra
+                             schedule_slot_multiple(self.model[0]), self.model_flops(part, first)) | {"lr": lr} | extra
         if first and "forward_micro_batches" in part:  # the forward-only passes ran before this update
             record["forward_micro_batches"] = part["forward_micro_batches"]
         for sink in self.sinks:
             sink.write(record)
         return record
+
+    def model_flops(self, part: dict[str, Any], first: bool) -> float:
+        """This rank's model FLOPs of one update on the mini-batch ``part`` (:class:`ModelFlops`: a backward twice its
+        forward, activation recompute not counted): the actor's forward and backward on the update's micro-batches,
+        with PPO the critic's too; in the mini-batch's ``first`` update also its forward-only passes (the old
+        log-probs; with PPO also the reference's, the critic's values and the reward model's scores)."""
+        tokens, pairs = part["work"]
+        flops = 3 * self.flops.forward(tokens, pairs)
+        if self.ppo is not None:
+            flops += 3 * self.flops.forward(tokens, pairs, value_head=True)
+        if first and "forward_work" in part:
+            tokens, pairs = part["forward_work"]
+            flops += self.flops.forward(tokens, pairs)  # old log-probs
+            if self.ppo is not None:
+                flops += (self.flops.forward(tokens, pairs) + self.flops.forward(tokens, pairs, value_head=True)
+                          + ModelFlops.of(self.ppo.reward_hf_config).forward(tokens, pairs, value_head=True))
+        return flops
 
     def _critic(self) -> tuple[list[torch.nn.Module], Any] | None:
         """PPO's critic and its optimizer, what checkpoints carry besides the actor (None without PPO)."""

@@ -1,0 +1,78 @@
+"""The FLOP ideal of a launcher PPO config on one GPU, tree vs flat, and the model TFLOP/s of measured runs: on the CPU,
+from the same packing the launcher does (no model is built).
+
+    python benchmarks/ppo_flops.py --config configs/ppo_qwen3_0.6b_shape.yaml --tree-forward-max-tokens-per-mb 65536 \
+        --flat-forward-max-tokens-per-mb 32768 --tree-jsonl benchmarks/results/te/ppo_tree_fwd65536_h100.jsonl \
+        --flat-jsonl benchmarks/results/te/ppo_no_fwd32768_h100.jsonl
+
+Per mode: the model FLOPs of one step (``Trainer.model_flops`` on the packing of the config's first rollout batch:
+the actor's and the critic's updates and the four forward-only passes), its micro-batches (updates / forward-only
+passes); with a run's ``--log-jsonl`` records, the median step after the first and the model TFLOP/s. Then the FLOP
+ideal (flat FLOPs / tree FLOPs: tokens for the linear layers, computed (query, key) pairs for attention) and, with
+both records, the measured speedup and its fraction of the ideal. Records written since the launcher logs
+``tflops_per_gpu`` carry the same numbers; this reads older ones too. A random-init config's model (``model.arch``
+with ``model.hf_overrides``) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from types import SimpleNamespace
+
+from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.core.flops import ModelFlops, packed_work
+from megatron_tree.runtime import tiny_hf_config
+from megatron_tree.train.config import RunConfig
+from megatron_tree.train.data import open_rollout_source
+from megatron_tree.train.trainer import Trainer
+
+
+def step_flops(cfg: RunConfig, tree: bool, forward_cap: int | None) -> tuple[float, int, int]:
+    """(model FLOPs of the first PPO step, update micro-batches, forward-only micro-batches) on one GPU."""
+    hf = tiny_hf_config(cfg.model.arch, **cfg.model.hf_overrides).get_text_config()
+    mb = cfg.micro_batch
+    chunk = mb.chunk_trees and tree
+    spec = MicroBatchSpec.new(mb, chunk_trees=chunk, max_kept_tokens=mb.max_kept_tokens if chunk else None)
+    forward = spec if forward_cap in (None, mb.max_tokens_per_mb) else MicroBatchSpec.new(
+        spec, max_tokens_per_mb=forward_cap, max_kept_tokens=None)
+    source = open_rollout_source(cfg.data, vocab=hf.vocab_size, max_len=None if chunk else mb.max_tokens_per_mb,
+                                 seed=cfg.train.seed, need_advantages=False)
+    seqs = source.next_batch().sequences
+    mbs, forward_mbs = (pack_trees(seqs, s, share_prefixes=tree) for s in (spec, forward))
+    trainer = SimpleNamespace(flops=ModelFlops.of(hf), ppo=SimpleNamespace(reward_hf_config=hf))
+    part = {"work": packed_work(mbs), "forward_work": packed_work(forward_mbs)}
+    return Trainer.model_flops(trainer, part, True), len(mbs), len(forward_mbs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    for mode in ("tree", "flat"):
+        ap.add_argument(f"--{mode}-forward-max-tokens-per-mb", type=int, help=f"the {mode} run's value of the flag")
+        ap.add_argument(f"--{mode}-jsonl", help=f"the {mode} run's --log-jsonl records")
+    args = ap.parse_args()
+    cfg = RunConfig.from_yaml(args.config)
+    if cfg.train.loss != "ppo":
+        raise SystemExit(f"{args.config}: train.loss is {cfg.train.loss!r}; this counts a PPO step (train.loss: ppo)")
+    rows = {}
+    for mode in ("tree", "flat"):
+        flops, updates, forwards = step_flops(cfg, mode == "tree", getattr(args, f"{mode}_forward_max_tokens_per_mb"))
+        row = rows[mode] = dict(flops=flops, micro_batches=updates, forward_micro_batches=forwards)
+        path = getattr(args, f"{mode}_jsonl")
+        if path:
+            records = [json.loads(line) for line in open(path) if '"step_s"' in line]
+            row["step_s"] = statistics.median(r["step_s"] for r in records[1:])
+            row["tflops_per_s"] = flops / row["step_s"] / 1e12
+        print(mode, json.dumps(row))
+    ideal = rows["flat"]["flops"] / rows["tree"]["flops"]
+    line = f"FLOP ideal {ideal:.2f}x"
+    if "step_s" in rows["tree"] and "step_s" in rows["flat"]:
+        measured = rows["flat"]["step_s"] / rows["tree"]["step_s"]
+        line += f", measured {measured:.2f}x = {measured / ideal:.2f} of it"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
