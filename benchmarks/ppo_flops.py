@@ -10,8 +10,7 @@ the actor's and the critic's updates and the four forward-only passes), its micr
 passes); with a run's ``--log-jsonl`` records, the median step after the first and the model TFLOP/s. Then the FLOP
 ideal (flat FLOPs / tree FLOPs: tokens for the linear layers, computed (query, key) pairs for attention) and, with
 both records, the measured speedup and its fraction of the ideal. Records written since the launcher logs
-``tflops_per_gpu`` carry the same numbers; this reads older ones too. A random-init config's model (``model.arch``
-with ``model.hf_overrides``) only.
+``tflops_per_gpu`` carry the same numbers; this reads older ones too.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ import argparse
 import json
 import statistics
 from types import SimpleNamespace
+
+from transformers import AutoConfig
 
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
@@ -31,7 +32,10 @@ from megatron_tree.train.trainer import Trainer
 
 def step_flops(cfg: RunConfig, tree: bool, forward_cap: int | None) -> tuple[float, int, int]:
     """(model FLOPs of the first PPO step, update micro-batches, forward-only micro-batches) on one GPU."""
-    hf = tiny_hf_config(cfg.model.arch, **cfg.model.hf_overrides).get_text_config()
+    m = cfg.model
+    read = lambda path: AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code).get_text_config()  # noqa: E731
+    hf = read(m.hf_path) if m.hf_path else tiny_hf_config(m.arch, **m.hf_overrides).get_text_config()
+    reward = read(cfg.train.reward_model) if cfg.train.reward_model else hf
     mb = cfg.micro_batch
     chunk = mb.chunk_trees and tree
     spec = MicroBatchSpec.new(mb, chunk_trees=chunk, max_kept_tokens=mb.max_kept_tokens if chunk else None)
@@ -41,7 +45,7 @@ def step_flops(cfg: RunConfig, tree: bool, forward_cap: int | None) -> tuple[flo
                                  seed=cfg.train.seed, need_advantages=False)
     seqs = source.next_batch().sequences
     mbs, forward_mbs = (pack_trees(seqs, s, share_prefixes=tree) for s in (spec, forward))
-    trainer = SimpleNamespace(flops=ModelFlops.of(hf), ppo=SimpleNamespace(reward_hf_config=hf))
+    trainer = SimpleNamespace(flops=ModelFlops.of(hf), ppo=SimpleNamespace(reward_hf_config=reward))
     part = {"work": packed_work(mbs), "forward_work": packed_work(forward_mbs)}
     return Trainer.model_flops(trainer, part, True), len(mbs), len(forward_mbs)
 
