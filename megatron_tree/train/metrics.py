@@ -30,7 +30,7 @@ def format_line(record: dict[str, Any], steps: int) -> str:
     """One console line per step (docs/launcher.md defines the columns)."""
     grad = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.4f}"
     return (
-        f" iteration {record['step']:4d}/{steps} | lr {record['lr']:.3E} | loss {record['loss']:.5f} | grad norm {grad} | tokens/s "
+        f" iteration {record['step']:4d}/{steps} | elapsed time per iteration (ms) {record['step_s'] * 1e3:.1f} | lr {record['lr']:.3E} | loss {record['loss']:.5f} | grad norm {grad} | tokens/s "
         f"{record['tokens_per_s']:.0f} | TFLOP/s/GPU {record['tflops_per_gpu']:.3g} | tree_token_ratio {record['tree_token_ratio']:.3f} | micro-batches "
         f"{record['micro_batches']} | mb imbalance {record['mb_imbalance']:.3f} | dp tree-token imbalance "
         f"{record['dp_tree_token_imbalance']:.3f}"
