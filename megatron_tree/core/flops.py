@@ -32,13 +32,18 @@ class ModelFlops:
 
     @classmethod
     def of(cls, cfg) -> ModelFlops:
-        """From a Hugging Face text config ``cfg``. Layers are full attention unless ``layer_types`` says
+        """From a Hugging Face config ``cfg`` (a multimodal one's text config: ``get_text_config()``). Layers are full attention unless ``layer_types`` says
         ``linear_attention`` (Gated DeltaNet per token: ``in_proj`` (q, k, v, output gate, beta, decay), its causal
         conv, the delta rule as a recurrence (reading the state with k and with q, the rank-one write: 3 x Hv dk dv
         multiply-adds) and ``out_proj``); multi-latent attention (``kv_lora_rank``) counts its low-rank projections,
         its pairs q/k head dim ``qk_nope + qk_rope`` and value head dim ``v_head_dim``. MoE layers count their top-k
         experts, the router and the shared experts (Qwen's gated one, or DeepSeek's / GLM's ``n_shared_experts``);
         ``mlp_only_layers`` and the first ``first_k_dense_replace`` layers are dense."""
+        if hasattr(cfg, "get_text_config"):
+            cfg = cfg.get_text_config()
+        if not hasattr(cfg, "hidden_size"):
+            raise TypeError(f"ModelFlops.of takes a Hugging Face model config (transformers.PretrainedConfig, e.g. "
+                            f"AutoConfig.from_pretrained(path)), got {type(cfg).__name__}")
         h = cfg.hidden_size
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
         linear = sum(t == "linear_attention" for t in types)

@@ -26,6 +26,17 @@ def test_a_dense_model_by_hand():
     assert f.forward(10, 55, value_head=True) == (f.per_token + 2 * 64) * 10 + f.per_pair * 55
 
 
+def test_a_multimodal_config_counts_its_language_model_and_other_objects_are_refused():
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2)
+    vl = Qwen2_5_VLConfig(text_config=text)
+    assert ModelFlops.of(vl) == ModelFlops.of(vl.get_text_config()) and ModelFlops.of(vl).output_per_token == 2 * 64 * 1000
+    with pytest.raises(TypeError, match="takes a Hugging Face model config.*got dict"):
+        ModelFlops.of(text)
+
+
 def test_moe_counts_the_chosen_experts_and_the_router():
     kw = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, moe_intermediate_size=24, num_experts=8)
