@@ -517,7 +517,7 @@ def plot(result: dict, path: str) -> None:
         axes[1].bar([x + i * width for x in xs], eff, width, label=m)
     for ax, title in zip(axes, ("fwd+bwd time (ms, log)", "useful pairs / s vs the fastest dense kernel")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-        ax.set_xticklabels([f"{r['workload']}\nT={r['slots']}, uniq={r['unique_tokens']}" for r in rows])
+        ax.set_xticklabels([f"{r['workload']}\nT={r['slots']}\nuniq={r['unique_tokens']}" for r in rows], fontsize=8)
         ax.set_title(title)
     axes[0].set_yscale("log")
     axes[1].axhline(0.85, color="k", ls="--", lw=1)
