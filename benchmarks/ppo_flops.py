@@ -22,27 +22,27 @@ from types import SimpleNamespace
 
 from transformers import AutoConfig
 
-from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree import pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.runtime import tiny_hf_config
 from megatron_tree.train.config import RunConfig
 from megatron_tree.train.data import open_rollout_source
-from megatron_tree.train.trainer import Trainer
+from megatron_tree.train.trainer import Trainer, micro_batch_specs
 
 
-def step_flops(cfg: RunConfig, tree: bool, forward_cap: int | None) -> tuple[float, int, int]:
-    """(model FLOPs of the first PPO step, update micro-batches, forward-only micro-batches) on one GPU."""
+def step_flops(cfg: RunConfig, tree: bool) -> tuple[float, int, int]:
+    """(model FLOPs of the first PPO step, update micro-batches, forward-only micro-batches) of ``cfg`` on one GPU
+    (``tree``: prefix trees, else each sequence its own chain)."""
     m = cfg.model
-    read = lambda path: AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code).get_text_config()  # noqa: E731
-    hf = read(m.hf_path) if m.hf_path else tiny_hf_config(m.arch, **m.hf_overrides).get_text_config()
+    read = lambda path: AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)  # noqa: E731
+    hf = read(m.hf_path) if m.hf_path else tiny_hf_config(m.arch, **m.hf_overrides)
     reward = read(cfg.train.reward_model) if cfg.train.reward_model else hf
     mb = cfg.micro_batch
     chunk = mb.chunk_trees and tree
-    spec = MicroBatchSpec.new(mb, chunk_trees=chunk, max_kept_tokens=mb.max_kept_tokens if chunk else None)
-    forward = spec if forward_cap in (None, mb.max_tokens_per_mb) else MicroBatchSpec.new(
-        spec, max_tokens_per_mb=forward_cap, max_kept_tokens=None)
-    source = open_rollout_source(cfg.data, vocab=hf.vocab_size, max_len=None if chunk else mb.max_tokens_per_mb,
-                                 seed=cfg.train.seed, need_advantages=False)
+    spec, forward = micro_batch_specs(cfg, chunk=chunk)
+    source = open_rollout_source(cfg.data, vocab=hf.get_text_config().vocab_size,
+                                 max_len=None if chunk else mb.max_tokens_per_mb, seed=cfg.train.seed,
+                                 need_advantages=False)
     seqs = source.next_batch().sequences
     mbs, forward_mbs = (pack_trees(seqs, s, share_prefixes=tree) for s in (spec, forward))
     trainer = SimpleNamespace(flops=ModelFlops.of(hf), ppo=SimpleNamespace(reward_hf_config=reward))
@@ -57,12 +57,14 @@ def main() -> None:
         ap.add_argument(f"--{mode}-forward-max-tokens-per-mb", type=int, help=f"the {mode} run's value of the flag")
         ap.add_argument(f"--{mode}-jsonl", help=f"the {mode} run's --log-jsonl records")
     args = ap.parse_args()
-    cfg = RunConfig.from_yaml(args.config)
-    if cfg.train.loss != "ppo":
-        raise SystemExit(f"{args.config}: train.loss is {cfg.train.loss!r}; this counts a PPO step (train.loss: ppo)")
+    loss = RunConfig.from_yaml(args.config).train.loss
+    if loss != "ppo":
+        raise SystemExit(f"{args.config}: train.loss is {loss!r}; this counts a PPO step (train.loss: ppo)")
     rows = {}
     for mode in ("tree", "flat"):
-        flops, updates, forwards = step_flops(cfg, mode == "tree", getattr(args, f"{mode}_forward_max_tokens_per_mb"))
+        forward = getattr(args, f"{mode}_forward_max_tokens_per_mb")
+        cfg = RunConfig.from_yaml(args.config, {"train": {"forward_max_tokens_per_mb": forward}} if forward else None)
+        flops, updates, forwards = step_flops(cfg, mode == "tree")
         row = rows[mode] = dict(flops=flops, micro_batches=updates, forward_micro_batches=forwards)
         path = getattr(args, f"{mode}_jsonl")
         if path:

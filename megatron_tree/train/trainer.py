@@ -264,6 +264,20 @@ def nonfinite(losses: dict[str, float], grad_norms: dict[str, float]) -> str | N
     return ", ".join(bad) + (f" ({', '.join(finite)})" if finite else "")
 
 
+def micro_batch_specs(cfg: RunConfig, *, chunk: bool, divisor: int = 1) -> tuple[MicroBatchSpec, MicroBatchSpec]:
+    """The packing of the run ``cfg``'s updates and of its forward-only passes (the same object unless
+    ``train.forward_max_tokens_per_mb`` sets another capacity): ``micro_batch`` with ``chunk`` (trees larger than a
+    micro-batch in chunks: the tree model at PP = CP = 1) and at least ``divisor`` micro-batches, a multiple of it
+    (the virtual pipeline's group size)."""
+    mb = cfg.micro_batch
+    spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor),
+                              chunk_trees=chunk, max_kept_tokens=mb.max_kept_tokens if chunk else None)
+    fwd = cfg.train.forward_max_tokens_per_mb
+    if fwd in (None, mb.max_tokens_per_mb):
+        return spec, spec
+    return spec, MicroBatchSpec.new(spec, max_tokens_per_mb=fwd, max_kept_tokens=None)
+
+
 def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, skipped, cuda,
                 slot_multiple, flops) -> dict[str, Any]:
     """Global (all-rank) metrics of step ``step`` (1-based): ``loss`` and ``loss_tokens`` as
@@ -450,11 +464,7 @@ class Trainer:
             kept = "" if mb.max_kept_tokens is None else " (max_kept_tokens with it)"
             self._info(f"micro_batch.chunk_trees is off{kept}: chunks run with pipeline and context parallel size 1 and "
                        f"the tree model only; a tree larger than a micro-batch is split with its shared path recomputed")
-        self.spec = MicroBatchSpec.new(mb, n_mbs_divisor=max(mb.n_mbs_divisor, divisor), n_mbs=max(mb.n_mbs, divisor),
-                                       chunk_trees=chunk, max_kept_tokens=mb.max_kept_tokens if chunk else None)
-        fwd = cfg.train.forward_max_tokens_per_mb
-        self.forward_spec = self.spec if fwd in (None, mb.max_tokens_per_mb) else MicroBatchSpec.new(
-            self.spec, max_tokens_per_mb=fwd, max_kept_tokens=None)
+        self.spec, self.forward_spec = micro_batch_specs(cfg, chunk=chunk, divisor=divisor)
         self.source = open_rollout_source(
             cfg.data, vocab=self.vocab, max_len=None if chunk else mb.max_tokens_per_mb, seed=cfg.train.seed,
             need_advantages=cfg.train.loss == "grpo", need_ref_logprobs=cfg.train.loss == "grpo" and cfg.train.kl_coef > 0,
