@@ -20,32 +20,28 @@ import json
 import statistics
 from types import SimpleNamespace
 
-from transformers import AutoConfig
-
 from megatron_tree import pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
-from megatron_tree.runtime import tiny_hf_config
-from megatron_tree.train.config import RunConfig
+from megatron_tree.train.config import ModelConfig, RunConfig
 from megatron_tree.train.data import open_rollout_source
-from megatron_tree.train.trainer import Trainer, micro_batch_specs
+from megatron_tree.train.trainer import Trainer, hf_text_config, micro_batch_specs
 
 
 def step_flops(cfg: RunConfig, tree: bool) -> tuple[float, int, int]:
     """(model FLOPs of the first PPO step, update micro-batches, forward-only micro-batches) of ``cfg`` on one GPU
     (``tree``: prefix trees, else each sequence its own chain)."""
-    m = cfg.model
-    read = lambda path: AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)  # noqa: E731
-    hf = read(m.hf_path) if m.hf_path else tiny_hf_config(m.arch, **m.hf_overrides)
-    reward = read(cfg.train.reward_model) if cfg.train.reward_model else hf
+    hf = hf_text_config(cfg.model)
+    reward = (hf_text_config(ModelConfig(hf_path=cfg.train.reward_model, trust_remote_code=cfg.model.trust_remote_code))
+              if cfg.train.reward_model else hf)
     mb = cfg.micro_batch
     chunk = mb.chunk_trees and tree
     spec, forward = micro_batch_specs(cfg, chunk=chunk)
-    source = open_rollout_source(cfg.data, vocab=hf.get_text_config().vocab_size,
+    source = open_rollout_source(cfg.data, vocab=hf.vocab_size,
                                  max_len=None if chunk else mb.max_tokens_per_mb, seed=cfg.train.seed,
                                  need_advantages=False)
     seqs = source.next_batch().sequences
     mbs, forward_mbs = (pack_trees(seqs, s, share_prefixes=tree) for s in (spec, forward))
-    trainer = SimpleNamespace(flops=ModelFlops.of(hf), ppo=SimpleNamespace(reward_hf_config=reward))
+    trainer = SimpleNamespace(flops=ModelFlops.of(hf), reward_flops=ModelFlops.of(reward), ppo=True)
     part = {"work": packed_work(mbs), "forward_work": packed_work(forward_mbs)}
     return Trainer.model_flops(trainer, part, True), len(mbs), len(forward_mbs)
 

@@ -42,7 +42,7 @@ from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.mcore.data_parallel import describe, sync_params
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
-from megatron_tree.train.config import ParallelConfig, RunConfig, TrainConfig
+from megatron_tree.train.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from megatron_tree.train.data import RolloutBatch, open_rollout_source
 
 
@@ -264,6 +264,18 @@ def nonfinite(losses: dict[str, float], grad_norms: dict[str, float]) -> str | N
     return ", ".join(bad) + (f" ({', '.join(finite)})" if finite else "")
 
 
+def hf_text_config(m: ModelConfig):
+    """The HF config of the model to train (of its language model, for a multimodal checkpoint): ``model.hf_path``'s,
+    or the tiny ``model.arch`` model's with ``model.hf_overrides`` (what :meth:`Trainer._model_path` writes)."""
+    if m.hf_path:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(m.hf_path, trust_remote_code=m.trust_remote_code).get_text_config()
+    from megatron_tree.runtime import tiny_hf_config
+
+    return tiny_hf_config(m.arch, **m.hf_overrides).get_text_config()
+
+
 def micro_batch_specs(cfg: RunConfig, *, chunk: bool, divisor: int = 1) -> tuple[MicroBatchSpec, MicroBatchSpec]:
     """The packing of the run ``cfg``'s updates and of its forward-only passes (the same object unless
     ``train.forward_max_tokens_per_mb`` sets another capacity): ``micro_batch`` with ``chunk`` (trees larger than a
@@ -419,7 +431,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         init_distributed(cfg.parallel, cfg.train.seed + 1, self.cuda)  # each rank on the GPU of its LOCAL_RANK
         # The language model's HF config first: FA4's warm-up thread then compiles while the rest is set up
-        hf_config = self._hf_text_config()
+        hf_config = hf_text_config(cfg.model)
         self._warmup = start_kernel_warmup(cfg, hf_config, self.cuda)
         self.flops = ModelFlops.of(hf_config)
         self.rank = dist.get_rank()
@@ -448,6 +460,7 @@ class Trainer:
 
             self.ppo = build_ppo_models(cfg, path, load, self.model, lambda m: make_optimizer(cfg, m, self.cuda),
                                         tree=self.tree_model)  # fmt: skip
+        self.reward_flops = None if self.ppo is None else ModelFlops.of(self.ppo.reward_hf_config)
         if cfg.train.verify_tree_model:
             from megatron_tree.mcore.verify import verify_tree_model
 
@@ -487,18 +500,6 @@ class Trainer:
             self._open_sinks(config_source)
 
     # ------------------------------------------------------------------ setup helpers
-
-    def _hf_text_config(self):
-        """The HF config of the model to train (of its language model, for a multimodal checkpoint): ``model.hf_path``'s,
-        or the tiny ``model.arch`` model's with ``model.hf_overrides`` (what :meth:`_model_path` writes)."""
-        m = self.cfg.model
-        if m.hf_path:
-            from transformers import AutoConfig
-
-            return AutoConfig.from_pretrained(m.hf_path, trust_remote_code=m.trust_remote_code).get_text_config()
-        from megatron_tree.runtime import tiny_hf_config
-
-        return tiny_hf_config(m.arch, **m.hf_overrides).get_text_config()
 
     def _model_path(self) -> tuple[str, bool]:
         """(HF directory, whether to load its weights). Without ``model.hf_path``, rank 0 writes a
@@ -663,7 +664,7 @@ class Trainer:
             fwd_mbs = mbs if self.forward_spec is self.spec else self._pack(batch, mine, self.forward_spec)
             part["pack_s"] += time.perf_counter() - t1
             part["forward_micro_batches"] = len(fwd_mbs)
-            part["forward_work"] = packed_work(fwd_mbs)
+            part["forward_work"] = part["work"] if fwd_mbs is mbs else packed_work(fwd_mbs)
         if self.ppo is not None:
             from megatron_tree.train.ppo import ppo_targets
 
@@ -758,7 +759,7 @@ class Trainer:
             flops += self.flops.forward(tokens, pairs)  # old log-probs
             if self.ppo is not None:
                 flops += (self.flops.forward(tokens, pairs) + self.flops.forward(tokens, pairs, value_head=True)
-                          + ModelFlops.of(self.ppo.reward_hf_config).forward(tokens, pairs, value_head=True))
+                          + self.reward_flops.forward(tokens, pairs, value_head=True))
         return flops
 
     def _critic(self) -> tuple[list[torch.nn.Module], Any] | None:

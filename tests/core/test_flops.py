@@ -73,11 +73,11 @@ def test_the_launcher_counts_every_pass_of_a_step():
                          num_key_value_heads=1, head_dim=2)
     part = {"work": (100, 1000), "forward_work": (100, 1000)}
     actor, critic = 15 * 100 + 1000, 10.5 * 100 + 1000  # one forward each
-    sft = SimpleNamespace(flops=f, ppo=None)
+    sft = SimpleNamespace(flops=f, reward_flops=None, ppo=None)
     assert Trainer.model_flops(sft, {"work": (100, 1000)}, True) == 3 * actor
     assert Trainer.model_flops(sft, part, True) == 4 * actor  # grpo: the old log-probs first
     assert Trainer.model_flops(sft, part, False) == 3 * actor  # a later epoch reuses them
-    ppo = SimpleNamespace(flops=f, ppo=SimpleNamespace(reward_hf_config=reward))
+    ppo = SimpleNamespace(flops=f, reward_flops=ModelFlops.of(reward), ppo=True)
     scores = ModelFlops.of(reward).forward(100, 1000, value_head=True)
     assert Trainer.model_flops(ppo, part, True) == 3 * actor + 3 * critic + 2 * actor + critic + scores
     assert Trainer.model_flops(ppo, part, False) == 3 * actor + 3 * critic
