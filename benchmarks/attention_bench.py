@@ -59,6 +59,7 @@ from megatron_tree.attention import cudnn_flex
 from megatron_tree.attention.cudnn_flex import cudnn_flex_available, cudnn_flex_tree_mask
 from megatron_tree.attention.fa4 import fa4_available, fa4_tree_attention, fa4_tree_mask
 from megatron_tree.attention.flex import classify_blocks, flex_tree_attention, flex_tree_mask, padded_length, tree_block_mask
+from megatron_tree.core.flops import micro_batch_work
 from megatron_tree.core.masks import dense_tree_mask
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 
@@ -262,12 +263,6 @@ def varlen_attention(cu_seqlens: torch.Tensor, max_len: int):
     return attn
 
 
-def tree_pairs(end: torch.Tensor, num_tokens: int) -> int:
-    """Visible (query, key) pairs among the real slots: sum over keys of subtree size."""
-    idx = torch.arange(num_tokens, device=end.device)
-    return int((end[:num_tokens].long() - idx).sum())
-
-
 def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:
     partial, full = classify_blocks(end, block_size)
     nq, nk = partial.shape
@@ -285,7 +280,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         "unique_tokens": mb.num_tokens,
         "original_tokens": mb.num_original_tokens,
         "sequences": len(mb.seq_lens),
-        "tree_pairs": tree_pairs(end, mb.num_tokens),
+        "tree_pairs": micro_batch_work(mb)[1],
         "flat_pairs": sum(n * (n + 1) // 2 for n in mb.seq_lens),
         "causal_pairs": t * (t + 1) // 2,
         **block_stats(end, 128),

@@ -26,10 +26,10 @@ import tempfile
 import numpy as np
 import torch
 
-from attention_bench import tree_pairs
 from e2e_bench import MODELS, build, flops_per_token_and_pair, loss_fn, timed_steps
 
 from megatron_tree import MicroBatchSpec, pack_trees
+from megatron_tree.core.flops import micro_batch_work
 from megatron_tree.core.context_parallel import padded_slots, shard_micro_batch, slot_multiple
 from megatron_tree.core.synthetic import multi_turn_batch
 
@@ -49,7 +49,7 @@ def run_size(model, optimizer, cfg, slots: int, cp: int, args, cuda: bool) -> di
     assert len(mbs) == 1
     mb = mbs[0]
     per_token, per_pair = flops_per_token_and_pair(cfg)
-    pairs = tree_pairs(mb.attention_mask[0], mb.num_tokens)
+    pairs = micro_batch_work(mb)[1]
     padded = mb.padded_to(padded_slots(mb.num_slots, slot_multiple(cp=cp)))
     shard = shard_micro_batch(padded, cp, 0)
     row = dict(model=args.model, cp=cp, recompute=args.recompute, slots=slots, unique_tokens=mb.num_tokens,
