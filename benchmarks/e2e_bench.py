@@ -55,6 +55,7 @@ from transformers import AutoConfig
 
 from megatron_tree import MicroBatchSpec, PackingStats, build_forest, pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
+from megatron_tree.core.hf_config import attention_head_dim
 from megatron_tree.ops.losses import sft_loss
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 from megatron_tree.core.tree import as_sequences
@@ -119,11 +120,6 @@ def workloads(name: str, rng: np.random.Generator, vocab: int, scale: float = 1.
         return multi_turn_batch(rng, n_conversations=2, turns=(24, 32), turn_len=(n(1000), n(3000)), fork_prob=0.2,
                                 system_len=n(4000), vocab=vocab)
     raise ValueError(f"unknown workload {name!r}; choose grpo, multi_turn, no_sharing, long_multi_turn")
-
-
-def head_dim(cfg) -> int:
-    """The attention head dim of HF config ``cfg``: ``head_dim``, else hidden size / heads."""
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def flops_per_token_and_pair(cfg) -> tuple[float, float]:
@@ -290,7 +286,7 @@ def main():
         # (thd_backward_refusal: head dim 256), flat micro-batches run through the tree model's own kernel
         # (each sequence its own chain), on the same model as the tree steps.
         te = cuda and have_transformer_engine()
-        refusal = te and thd_backward_refusal(head_dim(hf_config))
+        refusal = te and thd_backward_refusal(attention_head_dim(hf_config))
         if refusal:
             print(f"e2e_bench: flat baseline tree_kernel_chains, not te_thd_cudnn: {refusal}", flush=True)
             te = False

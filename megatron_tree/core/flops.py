@@ -13,6 +13,8 @@ import dataclasses
 
 import torch
 
+from megatron_tree.core.hf_config import attention_head_dim
+
 __all__ = ["ModelFlops", "micro_batch_work", "packed_work"]
 
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_next")
@@ -55,7 +57,7 @@ class ModelFlops:
             q = h * q_rank + q_rank * nq * d_qk if q_rank else h * nq * d_qk
             attn_proj = q + h * (rank + cfg.qk_rope_head_dim) + rank * nq * (cfg.qk_nope_head_dim + d_v) + nq * d_v * h
         else:
-            d_qk = d_v = getattr(cfg, "head_dim", None) or h // nq
+            d_qk = d_v = attention_head_dim(cfg)
             gate = 2 if cfg.model_type in GATED_ATTENTION else 1
             attn_proj = h * gate * nq * d_qk + 2 * h * nkv * d_qk + nq * d_qk * h
         gdn = 0

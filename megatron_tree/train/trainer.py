@@ -39,6 +39,7 @@ from megatron_tree import (
     pack_vision_trees,
 )
 from megatron_tree.core.flops import ModelFlops, packed_work
+from megatron_tree.core.hf_config import attention_head_dim
 from megatron_tree.mcore.data_parallel import describe, sync_params
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
@@ -99,8 +100,8 @@ def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
         return None
     tp, heads = cfg.parallel.tp, hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), head_dim, query_slots=cfg.parallel.cp > 1)
+    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), attention_head_dim(hf_config),
+                            query_slots=cfg.parallel.cp > 1)
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_tree.core.hf_config import attention_head_dim
 from megatron_tree.mcore.bridges.language_model import LanguageModelOf
 from megatron_tree.mcore.vision_language import add_vision_tower
 
@@ -60,8 +61,7 @@ class VisionLanguageBridge(LanguageModelOf):
     def _mrope_section(self) -> list[int]:
         hf = self.hf_config
         section = list(hf.rope_parameters.get("mrope_section") or [])
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        frequencies = int(head_dim * self._rotary_percent()) // 2
+        frequencies = int(attention_head_dim(hf) * self._rotary_percent()) // 2
         if len(section) != 3 or sum(section) != frequencies:
             raise ValueError(f"{self.multimodal_config.model_type}: rope_parameters mrope_section={section} must be "
                              f"three ints summing to the rotated frequencies per head, {frequencies} (head_dim "
