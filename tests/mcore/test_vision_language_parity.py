@@ -103,6 +103,18 @@ def test_interleaved_mrope_is_hf_glm4v_rope(cpu_megatron):
         ours(positions, [2, 2, 2])
 
 
+def test_a_checkpoint_whose_mrope_section_does_not_fit_its_head_is_refused(tmp_path, cpu_megatron):
+    import json
+
+    path = save_tiny_hf_checkpoint("qwen2_5_vl", tmp_path / "bad")
+    config = json.loads((tmp_path / "bad" / "config.json").read_text())
+    config["text_config"]["rope_parameters"]["mrope_section"] = [2, 3, 4]  # head dim 16: 8 frequencies, not 9
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"mrope_section=\[2, 3, 4\] must be three ints summing to the rotated "
+                                         r"frequencies per head, 8 \(head_dim 16 x partial_rotary_factor 1.0 / 2\)"):
+        build_tree_model(path, wrap_with_ddp=False)
+
+
 def test_tree_logprobs_match_hf_and_depths_do_not(arch, checkpoint, forest):
     seqs, images, mbs = forest
     want = hf_vision_logprobs(checkpoint, seqs, images)

@@ -61,7 +61,8 @@ class VisionLanguageBridge(LanguageModelOf):
     def _mrope_section(self) -> list[int]:
         hf = self.hf_config
         section = list(hf.rope_parameters.get("mrope_section") or [])
-        frequencies = int(attention_head_dim(hf) * self._rotary_percent()) // 2
+        head_dim = attention_head_dim(hf)
+        frequencies = int(head_dim * self._rotary_percent()) // 2
         if len(section) != 3 or sum(section) != frequencies:
             raise ValueError(f"{self.multimodal_config.model_type}: rope_parameters mrope_section={section} must be "
                              f"three ints summing to the rotated frequencies per head, {frequencies} (head_dim "
