@@ -16,7 +16,11 @@ import json
 import sys
 
 import torch
-import transformer_engine.pytorch as te
+
+try:
+    import transformer_engine.pytorch as te
+except ImportError as exc:
+    raise SystemExit(f"grouped_gemm_check.py checks Transformer Engine's GroupedLinear on a GPU: {exc}") from None
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -71,6 +75,8 @@ def check(name: str, experts: int, n_in: int, n_out: int, splits: list[int], dty
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in DTYPES or not torch.cuda.is_available():
+        raise SystemExit(f"usage: grouped_gemm_check.py {{{' | '.join(DTYPES)}}} (on a CUDA GPU)")
     dtype = DTYPES[argv[0]]
     for case in CASES:
         print(json.dumps(check(*case, dtype)), flush=True)
