@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from megatron_tree.core.hf_config import attention_head_dim
+from megatron_tree.core.hf_config import attention_head_dim, attention_kv_heads
 
 __all__ = ["ModelFlops", "micro_batch_work", "packed_work"]
 
@@ -50,7 +50,7 @@ class ModelFlops:
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
         linear = sum(t == "linear_attention" for t in types)
         full = len(types) - linear
-        nq, nkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        nq, nkv = cfg.num_attention_heads, attention_kv_heads(cfg)
         if getattr(cfg, "kv_lora_rank", None):  # multi-latent attention
             d_qk, d_v, rank = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
             q_rank = getattr(cfg, "q_lora_rank", None)

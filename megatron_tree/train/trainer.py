@@ -39,7 +39,7 @@ from megatron_tree import (
     pack_vision_trees,
 )
 from megatron_tree.core.flops import ModelFlops, packed_work
-from megatron_tree.core.hf_config import attention_head_dim
+from megatron_tree.core.hf_config import attention_head_dim, attention_kv_heads
 from megatron_tree.mcore.data_parallel import describe, sync_params
 from megatron_tree.ops.losses import ppo_clip_loss, sft_loss
 from megatron_tree.train import checkpoint, metrics
@@ -98,10 +98,9 @@ def start_kernel_warmup(cfg: RunConfig, hf_config, cuda: bool):
 
     if not (cuda and cfg.train.bf16 and cfg.train.attention_backend in ("auto", "fa4") and uses_tree_model(cfg, cuda)):
         return None
-    tp, heads = cfg.parallel.tp, hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return start_fa4_warmup(heads // tp, max(1, kv_heads // tp), attention_head_dim(hf_config),
-                            query_slots=cfg.parallel.cp > 1)
+    tp = cfg.parallel.tp
+    return start_fa4_warmup(hf_config.num_attention_heads // tp, max(1, attention_kv_heads(hf_config) // tp),
+                            attention_head_dim(hf_config), query_slots=cfg.parallel.cp > 1)
 
 
 def build_model(cfg: RunConfig, path: str, load: bool, cuda: bool):
