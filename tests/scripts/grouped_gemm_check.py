@@ -5,8 +5,10 @@ shapes our MoE models run, with experts that receive no token.
 Run: PYTHONPATH=.:tests python tests/scripts/grouped_gemm_check.py DTYPE   (bf16 | fp16 | fp32)
 under the environment to check (``NVTE_USE_CUTLASS_GROUPED_GEMM=1``: TE's CUTLASS grouped GEMM, else one cuBLAS GEMM
 per expert). Prints one JSON line per case: ``{"case", "experts", "in", "out", "m_splits", "out_err", "dgrad_err",
-"wgrad_err", "digest"}``, each error the largest |x - ref| / max|ref| of that tensor; ``digest`` a hash of the bits
-of the three results (two runs that took the same kernels print the same digest).
+"wgrad_err", "digest", "cutlass_launches"}``, each error the largest |x - ref| / max|ref| of that tensor; ``digest`` a
+hash of the bits of the three results; ``cutlass_launches`` how many of the forward + backward's kernels were TE's
+CUTLASS grouped GEMM (``cutlass::gemm::GroupProblemShape`` in the kernel's name, counted by the profiler). The bits
+alone cannot tell the two paths apart: on an H100 both gave the same bits on the 2B shape.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ try:
     import transformer_engine.pytorch as te
 except ImportError as exc:
     raise SystemExit(f"grouped_gemm_check.py checks Transformer Engine's GroupedLinear on a GPU: {exc}") from None
+
+CUTLASS_KERNEL = "GroupProblemShape"
+"""In the name of TE's CUTLASS grouped GEMM kernel (``cutlass_grouped_gemm.cuh``: a ``GemmUniversal`` over a
+``cutlass::gemm::GroupProblemShape``); cuBLAS's kernels (``nvjet_*``, ``sm90_xmma_*``) never carry it."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -58,9 +64,11 @@ def check(name: str, experts: int, n_in: int, n_out: int, splits: list[int], dty
     tokens = sum(splits)
     x = torch.randn(tokens, n_in, generator=gen, device="cuda").to(dtype).requires_grad_()
     dy = torch.randn(tokens, n_out, generator=gen, device="cuda").to(dtype)
-    y = layer(x, splits)
-    y.backward(dy)
-    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = layer(x, splits)
+        y.backward(dy)
+        torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages() if CUTLASS_KERNEL in e.key)
 
     weights = [getattr(layer, f"weight{e}").detach().double() for e in range(experts)]
     xs, dys = x.detach().double().split(splits), dy.double().split(splits)
@@ -71,7 +79,8 @@ def check(name: str, experts: int, n_in: int, n_out: int, splits: list[int], dty
     dw = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
     digest = hashlib.sha256(b"".join(t.detach().float().cpu().numpy().tobytes() for t in (y, x.grad, dw))).hexdigest()
     return {"case": name, "experts": experts, "in": n_in, "out": n_out, "m_splits": splits, "out_err": rel(y, y_ref),
-            "dgrad_err": rel(x.grad, dx_ref), "wgrad_err": rel(dw, dw_ref), "digest": digest[:16]}
+            "dgrad_err": rel(x.grad, dx_ref), "wgrad_err": rel(dw, dw_ref), "digest": digest[:16],
+            "cutlass_launches": launches}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The 2B MoE shape's training step on the GPU host, after FA4's staging (benchmarks/fa4_stage.sh unpack-a, unpack-b)
+# and with .te and .whl carried, each mode at 32k-token micro-batches (the tree's 32.6k unique multi-turn tokens in one
+# micro-batch; 52-60 GiB per mode on an H100):
+#   PART=check    TE setup; tests/mcore/test_grouped_gemm_gpu.py (TE's CUTLASS grouped GEMM against fp64 and cuBLAS,
+#                 bf16); then the GRPO and multi-turn steps, CUTLASS grouped GEMM on
+#   PART=cublas   the multi-turn step with TE's cuBLAS grouped GEMM (NVTE_USE_CUTLASS_GROUPED_GEMM=0)
+#   PART=rest     the no-sharing step (flat at 16k tokens: its 32k micro-batch's logits do not fit an H100), then
+#                 benchmarks/attention_bench.py on the GRPO and multi-turn trees (FA4, cuDNN's flex, causal cuDNN)
+# Logs and JSON under $OUT (default benchmarks/results/te); STEPS timed steps per mode (default 8).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/te}
+mkdir -p "$OUT"
+if ! python3 -c "import transformer_engine.pytorch, megatron.core" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+  bash .te/te-setup.sh > "$OUT/te_setup.log" 2>&1 || { tail -20 "$OUT/te_setup.log"; exit 1; }
+fi
+export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
+tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
+step() {  # step NAME CUTLASS WORKLOADS FLAT_TOKENS_PER_MB
+  NVTE_USE_CUTLASS_GROUPED_GEMM=$2 timeout 400 python3 benchmarks/e2e_bench.py --model qwen3-moe-2b \
+    --workloads "$3" --warmup 1 --steps "${STEPS:-8}" --max-tokens-per-mb 32768 --flat-max-tokens-per-mb "$4" \
+    --out "$OUT/$1_$tag.json" > "$OUT/$1_$tag.log" 2>&1
+  grep -E "ratio=|Error|error" "$OUT/$1_$tag.log" | grep -v -i warn | tail -5
+}
+case "${PART:-check}" in
+check)
+  timeout 240 python3 -m pytest -q -s -m gpu tests/mcore/test_grouped_gemm_gpu.py > "$OUT/grouped_gemm_gpu_test_$tag.txt" 2>&1
+  grep -E "^\{|passed|failed|Error" "$OUT/grouped_gemm_gpu_test_$tag.txt" | tail -20
+  step e2e_moe_mb32k_cutlass 1 grpo,multi_turn 32768 ;;
+cublas) step e2e_moe_multi_turn_mb32k_cublas 0 multi_turn 32768 ;;
+rest)
+  step e2e_moe_no_sharing_mb32k_cutlass 1 no_sharing 16384
+  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_unpadded" --workloads grpo multi_turn \
+    --variants --skip-dense > "$OUT/attention_${tag}_unpadded.log" 2>&1
+  grep -E "ceiling|efficiency|Error" "$OUT/attention_${tag}_unpadded.log" | tail -20 ;;
+esac
