@@ -25,7 +25,9 @@ from typing import Any, Iterator
 import torch
 
 from megatron_tree.attention import get_tree_attention_backend
+from megatron_tree.core.platform import have_transformer_engine
 from megatron_tree.mcore.config_overrides import tree_training_overrides
+from megatron_tree.mcore.grouped_gemm import use_cutlass_grouped_gemm
 from megatron_tree.mcore.layer_spec import tree_layer_spec
 from megatron_tree.mcore.rope import convert_to_tree_model
 
@@ -70,8 +72,6 @@ def _check_upstream_context_parallel() -> None:
     """Refuse an upstream model under context parallel without Transformer Engine: megatron-core's
     own attention has no context parallel (it would assert deep inside the model build)."""
     from megatron.core import parallel_state
-
-    from megatron_tree.core.platform import have_transformer_engine
 
     cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     if cp > 1 and not have_transformer_engine():
@@ -178,6 +178,8 @@ def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, ex
         if value_head:
             get_model_kwargs["post_model_creation_callbacks"] = _value_head_callbacks(bridge, path, get_model_kwargs)
         moe = bridge.config.num_moe_experts is not None
+        if moe and torch.cuda.is_available() and have_transformer_engine():
+            use_cutlass_grouped_gemm(bf16=bf16)  # the experts' GEMMs in one kernel on Hopper
         overrides = tree_training_overrides(
             moe=moe, recompute=recompute, wrap_with_ddp=get_model_kwargs.get("wrap_with_ddp", False)
         )
