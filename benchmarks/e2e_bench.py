@@ -56,6 +56,7 @@ from transformers import AutoConfig
 from megatron_tree import MicroBatchSpec, PackingStats, build_forest, pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.core.hf_config import attention_head_dim
+from megatron_tree.mcore.grouped_gemm import CUTLASS_GROUPED_GEMM_ENV
 from megatron_tree.ops.losses import sft_loss
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 from megatron_tree.core.tree import as_sequences
@@ -304,8 +305,11 @@ def main():
                 tree_model = mode == "tree" or not te
                 if built != tree_model:
                     model = optimizer = None
-                    gc.collect()
-                    torch.cuda.empty_cache() if cuda else None
+                # Every run starts with the allocator's cache emptied: the MoE model at 32k-token micro-batches ran
+                # out of memory in its second workload, 16 GiB asked with 10.8 GiB cached but unallocated (H100).
+                gc.collect()
+                torch.cuda.empty_cache() if cuda else None
+                if built != tree_model:
                     model, optimizer = build(path, tree=tree_model, bf16=cuda, recompute=args.recompute, cuda=cuda,
                                              backend=args.attention_backend)
                     built = tree_model
@@ -354,11 +358,14 @@ def main():
             write(args.out, rows, baseline)
 
 def write(out: str, rows: dict, baseline: str) -> None:
-    """The results so far as JSON: device, torch version, the flat baseline's kind, one row per workload."""
+    """The results so far as JSON: device, torch version, the flat baseline's kind, the MoE experts' grouped GEMM
+    (``"cutlass"`` where ``NVTE_USE_CUTLASS_GROUPED_GEMM`` is on, as the model build turns it on for bf16 MoE on
+    Hopper; else ``"cublas"``), one row per workload."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    grouped_gemm = "cublas" if os.environ.get(CUTLASS_GROUPED_GEMM_ENV, "0") in ("", "0") else "cutlass"
     with open(out, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "baseline": baseline, "rows": list(rows.values())},
-                  f, indent=1)
+        json.dump({"device": device, "torch": torch.__version__, "baseline": baseline, "grouped_gemm": grouped_gemm,
+                   "rows": list(rows.values())}, f, indent=1)
 
 
 def workload_row(args, name: str, seqs, per_token: float, per_pair: float, baseline: str) -> dict:

@@ -64,8 +64,13 @@ def main():
     rows = [r for r in rows if "speedup" in r]  # complete rows only
     flat = {"te_thd_cudnn": "Megatron THD packing, TE cuDNN attention", "tree_kernel_chains": "chains, same kernel"}
     baselines = sorted({flat.get(res.get("baseline"), "chains, same kernel") for res in results})
+    for res in results:  # which grouped GEMM the MoE experts ran, where the JSON says
+        for r in res["rows"]:
+            r["grouped_gemm"] = res.get("grouped_gemm")
+    moe = lambda r: "\n" + r["grouped_gemm"] + " experts" if r["grouped_gemm"] and "moe" in r["model"] else ""  # noqa: E731
     labels = [f"{r['model']}\n{r['workload']}" + (f"\n{r['max_tokens_per_mb'] // 1024}k chunks" if r.get("chunk_trees") else "")
-              + kept_label(r) for r in rows]
+              + kept_label(r) + moe(r) for r in rows]
+    devices = sorted({res.get("device", "?").replace("NVIDIA ", "") for res in results})
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(1.6 * len(rows) + 2, 9), 4))
     ax.bar([i - 0.27 for i in x], [r["flop_ideal_speedup"] for r in rows], width=0.27, label="FLOP-ideal speedup")
@@ -77,7 +82,7 @@ def main():
         ax.text(i + 0.27, r["speedup"], f"{r['achieved_fraction_of_ideal']:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("tree vs flat (x)")
-    ax.set_title(f"Tree vs flat training step, one H200, bf16 (flat: {'; '.join(baselines)}; "
+    ax.set_title(f"Tree vs flat training step, one {' / '.join(devices)}, bf16 (flat: {'; '.join(baselines)}; "
                  f"label: achieved fraction of ideal)", fontsize=9)
     ax.set_ylim(0, 1.2 * max(max(r["flop_ideal_speedup"], r["speedup"]) for r in rows))
     ax.legend(loc="upper left", ncol=3)

@@ -10,8 +10,11 @@ dimension equal across experts and a multiple of 128 (the forward and the input 
 and FFN sizes are multiples of 128; weight gradients, whose reduction runs over each expert's tokens, stay on
 cuBLAS). Elsewhere it falls back to cuBLAS on its own. TE reads the variable at every grouped GEMM.
 
-The kernel is checked against an fp64 reference, as accurate as cuBLAS's GEMMs, on the expert shapes of
-``tests/scripts/grouped_gemm_check.py`` (``tests/mcore/test_grouped_gemm_gpu.py``).
+The kernel is checked against an fp64 reference on the expert shapes of ``tests/scripts/grouped_gemm_check.py``
+(``tests/mcore/test_grouped_gemm_gpu.py``, TE 2.20.2 on an H100, bf16): the profiler saw it run wherever a reduction
+dimension qualified and nowhere else, and its forward, input and weight gradient errors equal cuBLAS's on all 11
+shapes (the same bits on 10). The 2B MoE training step at 32k-token micro-batches (H100): tree 426 -> 298 ms, flat
+2805 -> 1900 ms (``benchmarks/results/te/e2e_moe_*_mb32k_*``).
 """
 
 from __future__ import annotations
