@@ -305,11 +305,8 @@ def main():
                 tree_model = mode == "tree" or not te
                 if built != tree_model:
                     model = optimizer = None
-                # Every run starts with the allocator's cache emptied: the MoE model at 32k-token micro-batches ran
-                # out of memory in its second workload, 16 GiB asked with 10.8 GiB cached but unallocated (H100).
-                gc.collect()
-                torch.cuda.empty_cache() if cuda else None
-                if built != tree_model:
+                    gc.collect()
+                    torch.cuda.empty_cache() if cuda else None
                     model, optimizer = build(path, tree=tree_model, bf16=cuda, recompute=args.recompute, cuda=cuda,
                                              backend=args.attention_backend)
                     built = tree_model
