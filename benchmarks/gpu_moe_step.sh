@@ -5,7 +5,8 @@
 #   PART=check    TE setup; tests/mcore/test_grouped_gemm_gpu.py (TE's CUTLASS grouped GEMM against fp64 and cuBLAS,
 #                 bf16); then the GRPO and multi-turn steps, CUTLASS grouped GEMM on (the model build's default)
 #   PART=cublas   the multi-turn step with TE's cuBLAS grouped GEMM (NVTE_USE_CUTLASS_GROUPED_GEMM=0)
-#   PART=rest     the no-sharing step (flat at 16k tokens: its 32k micro-batch's logits do not fit an H100), then
+#   PART=rest     the no-sharing step (flat at 16k tokens: at 32k it ran out of memory after another workload in the
+#                 same process; not tried alone), then
 #                 benchmarks/attention_bench.py on the GRPO and multi-turn trees (FA4, cuDNN's flex, causal cuDNN)
 # Logs and JSON under $OUT (default benchmarks/results/te); STEPS timed steps per mode (default 8).
 set -uo pipefail

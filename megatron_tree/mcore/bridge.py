@@ -178,7 +178,7 @@ def _build(hf_path, tree, backend, bf16, recompute, load_weights, value_head, ex
         if value_head:
             get_model_kwargs["post_model_creation_callbacks"] = _value_head_callbacks(bridge, path, get_model_kwargs)
         moe = bridge.config.num_moe_experts is not None
-        if moe and torch.cuda.is_available() and have_transformer_engine():
+        if moe and have_transformer_engine():
             use_cutlass_grouped_gemm(bf16=bf16)  # the experts' GEMMs in one kernel on Hopper
         overrides = tree_training_overrides(
             moe=moe, recompute=recompute, wrap_with_ddp=get_model_kwargs.get("wrap_with_ddp", False)

@@ -8,7 +8,7 @@ With ``NVTE_USE_CUTLASS_GROUPED_GEMM=1`` (TE >= 2.8, documented in TE's environm
 expert's GEMM in one CUTLASS kernel where it can: SM 9.0, bf16 / fp16 operands and output, no bias, the reduction
 dimension equal across experts and a multiple of 128 (the forward and the input gradient of experts whose hidden
 and FFN sizes are multiples of 128; weight gradients, whose reduction runs over each expert's tokens, stay on
-cuBLAS). Elsewhere it falls back to cuBLAS on its own. TE reads the variable at every grouped GEMM.
+cuBLAS unless every expert has the same token count, a multiple of 128). Elsewhere it falls back to cuBLAS on its own. TE reads the variable at every grouped GEMM.
 
 The kernel is checked against an fp64 reference on the expert shapes of ``tests/scripts/grouped_gemm_check.py``
 (``tests/mcore/test_grouped_gemm_gpu.py``, TE 2.20.2 on an H100, bf16): the profiler saw it run wherever a reduction
