@@ -5,7 +5,7 @@ from the same packing the launcher does (no model is built).
         --flat-forward-max-tokens-per-mb 32768 --tree-jsonl benchmarks/results/te/ppo_tree_fwd65536_h100.jsonl \
         --flat-jsonl benchmarks/results/te/ppo_no_fwd32768_h100.jsonl
 
-Per mode: the model FLOPs of one step (``Trainer.model_flops`` on the packing of the config's first rollout batch:
+Per mode: the model FLOPs of one step (``trainer.update_flops`` on the packing of the config's first rollout batch:
 the actor's and the critic's updates and the four forward-only passes), its micro-batches (updates / forward-only
 passes); with a run's ``--log-jsonl`` records, the median step after the first and the model TFLOP/s. Then the FLOP
 ideal (flat FLOPs / tree FLOPs: tokens for the linear layers, computed (query, key) pairs for attention) and, with
@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from types import SimpleNamespace
 
 from megatron_tree import pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.train.config import ModelConfig, RunConfig
 from megatron_tree.train.data import open_rollout_source
-from megatron_tree.train.trainer import Trainer, hf_text_config, micro_batch_specs
+from megatron_tree.train.trainer import hf_text_config, micro_batch_specs, update_flops
 
 
 def step_flops(cfg: RunConfig, tree: bool) -> tuple[float, int, int]:
@@ -41,9 +40,8 @@ def step_flops(cfg: RunConfig, tree: bool) -> tuple[float, int, int]:
                                  need_advantages=False)
     seqs = source.next_batch().sequences
     mbs, forward_mbs = (pack_trees(seqs, s, share_prefixes=tree) for s in (spec, forward))
-    trainer = SimpleNamespace(flops=ModelFlops.of(hf), reward_flops=ModelFlops.of(reward), ppo=True)
     part = {"work": packed_work(mbs), "forward_work": packed_work(forward_mbs)}
-    return Trainer.model_flops(trainer, part, True), len(mbs), len(forward_mbs)
+    return update_flops(ModelFlops.of(hf), ModelFlops.of(reward), part, True), len(mbs), len(forward_mbs)
 
 
 def main() -> None:

@@ -290,13 +290,33 @@ def micro_batch_specs(cfg: RunConfig, *, chunk: bool, divisor: int = 1) -> tuple
     return spec, MicroBatchSpec.new(spec, max_tokens_per_mb=fwd, max_kept_tokens=None)
 
 
+def update_flops(flops: ModelFlops, reward_flops: ModelFlops | None, part: dict[str, Any], first: bool) -> float:
+    """A rank's model FLOPs of one update on the mini-batch ``part`` (its ``work``, and ``forward_work`` where
+    forward-only passes ran: :func:`~megatron_tree.core.flops.packed_work`): the actor's forward and backward on the
+    update's micro-batches (``flops``: :class:`ModelFlops`, a backward twice its forward, activation recompute not
+    counted), with PPO (``reward_flops``: the reward model's) the critic's too; in the mini-batch's ``first`` update
+    also its forward-only passes (the old log-probs; with PPO also the reference's, the critic's values and the reward
+    model's scores)."""
+    tokens, pairs = part["work"]
+    total = 3 * flops.forward(tokens, pairs)
+    if reward_flops is not None:
+        total += 3 * flops.forward(tokens, pairs, value_head=True)
+    if first and "forward_work" in part:
+        tokens, pairs = part["forward_work"]
+        total += flops.forward(tokens, pairs)  # old log-probs
+        if reward_flops is not None:
+            total += (flops.forward(tokens, pairs) + flops.forward(tokens, pairs, value_head=True)
+                      + reward_flops.forward(tokens, pairs, value_head=True))
+    return total
+
+
 def step_record(step, loss, loss_tokens, mbs, spec, seqs, shares, step_s, pack_s, grad_norm, skipped, cuda,
                 slot_multiple, flops) -> dict[str, Any]:
     """Global (all-rank) metrics of step ``step`` (1-based): ``loss`` and ``loss_tokens`` as
     :func:`loss_and_grad_norm` gives them (the same on every rank), ``grad_norm`` the optimizer's
     (None where it gives none or the update was ``skipped``). ``slot_multiple``: what the schedule
     pads micro-batches to (for the context-parallel balance); ``flops``: this data-parallel rank's model FLOPs of the
-    step (:meth:`Trainer.model_flops`), summed over the ranks into ``tflops_per_gpu`` (per GPU of the world, as
+    step (:func:`update_flops`), summed over the ranks into ``tflops_per_gpu`` (per GPU of the world, as
     Megatron's ``throughput per GPU (TFLOP/s/GPU)``)."""
     from megatron.core import parallel_state as ps
 
@@ -736,31 +756,15 @@ class Trainer:
             torch.cuda.synchronize()
         self.iteration += 1
         step_s = time.perf_counter() - t0 + (part["prepare_s"] if first else 0.0)
+        flops = update_flops(self.flops, self.reward_flops, part, first)
         record = step_record(self.iteration, loss, loss_tokens, mbs, self.spec, part["seqs"], part["shares"],
                              step_s, part["pack_s"] if first else 0.0, grad_norm, skipped, self.cuda,
-                             schedule_slot_multiple(self.model[0]), self.model_flops(part, first)) | {"lr": lr} | extra
+                             schedule_slot_multiple(self.model[0]), flops) | {"lr": lr} | extra
         if first and "forward_micro_batches" in part:  # the forward-only passes ran before this update
             record["forward_micro_batches"] = part["forward_micro_batches"]
         for sink in self.sinks:
             sink.write(record)
         return record
-
-    def model_flops(self, part: dict[str, Any], first: bool) -> float:
-        """This rank's model FLOPs of one update on the mini-batch ``part`` (:class:`ModelFlops`: a backward twice its
-        forward, activation recompute not counted): the actor's forward and backward on the update's micro-batches,
-        with PPO the critic's too; in the mini-batch's ``first`` update also its forward-only passes (the old
-        log-probs; with PPO also the reference's, the critic's values and the reward model's scores)."""
-        tokens, pairs = part["work"]
-        flops = 3 * self.flops.forward(tokens, pairs)
-        if self.ppo is not None:
-            flops += 3 * self.flops.forward(tokens, pairs, value_head=True)
-        if first and "forward_work" in part:
-            tokens, pairs = part["forward_work"]
-            flops += self.flops.forward(tokens, pairs)  # old log-probs
-            if self.ppo is not None:
-                flops += (self.flops.forward(tokens, pairs) + self.flops.forward(tokens, pairs, value_head=True)
-                          + self.reward_flops.forward(tokens, pairs, value_head=True))
-        return flops
 
     def _critic(self) -> tuple[list[torch.nn.Module], Any] | None:
         """PPO's critic and its optimizer, what checkpoints carry besides the actor (None without PPO)."""

@@ -1,7 +1,5 @@
 """Model FLOPs: the per-token / per-pair counts of a model, the work a packing computes, the launcher's per-step sum."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from transformers import Qwen3Config, Qwen3MoeConfig
@@ -10,7 +8,7 @@ from megatron_tree import MicroBatchSpec, build_forest, pack_trees
 from megatron_tree.core.flops import ModelFlops, micro_batch_work, packed_work
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
 from megatron_tree.core.tree import as_sequences
-from megatron_tree.train.trainer import Trainer
+from megatron_tree.train.trainer import update_flops
 
 
 def test_a_dense_model_by_hand():
@@ -73,11 +71,9 @@ def test_the_launcher_counts_every_pass_of_a_step():
                          num_key_value_heads=1, head_dim=2)
     part = {"work": (100, 1000), "forward_work": (100, 1000)}
     actor, critic = 15 * 100 + 1000, 10.5 * 100 + 1000  # one forward each
-    sft = SimpleNamespace(flops=f, reward_flops=None, ppo=None)
-    assert Trainer.model_flops(sft, {"work": (100, 1000)}, True) == 3 * actor
-    assert Trainer.model_flops(sft, part, True) == 4 * actor  # grpo: the old log-probs first
-    assert Trainer.model_flops(sft, part, False) == 3 * actor  # a later epoch reuses them
-    ppo = SimpleNamespace(flops=f, reward_flops=ModelFlops.of(reward), ppo=True)
+    assert update_flops(f, None, {"work": (100, 1000)}, True) == 3 * actor
+    assert update_flops(f, None, part, True) == 4 * actor  # grpo: the old log-probs first
+    assert update_flops(f, None, part, False) == 3 * actor  # a later epoch reuses them
     scores = ModelFlops.of(reward).forward(100, 1000, value_head=True)
-    assert Trainer.model_flops(ppo, part, True) == 3 * actor + 3 * critic + 2 * actor + critic + scores
-    assert Trainer.model_flops(ppo, part, False) == 3 * actor + 3 * critic
+    assert update_flops(f, ModelFlops.of(reward), part, True) == 3 * actor + 3 * critic + 2 * actor + critic + scores
+    assert update_flops(f, ModelFlops.of(reward), part, False) == 3 * actor + 3 * critic
