@@ -56,7 +56,7 @@ from transformers import AutoConfig
 from megatron_tree import MicroBatchSpec, PackingStats, build_forest, pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.core.hf_config import attention_head_dim
-from megatron_tree.mcore.grouped_gemm import CUTLASS_GROUPED_GEMM_ENV
+from megatron_tree.mcore.grouped_gemm import cutlass_grouped_gemm_on
 from megatron_tree.ops.losses import sft_loss
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 from megatron_tree.core.tree import as_sequences
@@ -359,7 +359,7 @@ def write(out: str, rows: dict, baseline: str) -> None:
     (``"cutlass"`` where ``NVTE_USE_CUTLASS_GROUPED_GEMM`` is on, as the model build turns it on for bf16 MoE on
     Hopper; else ``"cublas"``), one row per workload."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    grouped_gemm = "cublas" if os.environ.get(CUTLASS_GROUPED_GEMM_ENV, "0") in ("", "0") else "cutlass"
+    grouped_gemm = "cutlass" if cutlass_grouped_gemm_on() else "cublas"
     with open(out, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "baseline": baseline, "grouped_gemm": grouped_gemm,
                    "rows": list(rows.values())}, f, indent=1)

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-__all__ = ["CUTLASS_GROUPED_GEMM_ENV", "use_cutlass_grouped_gemm"]
+__all__ = ["CUTLASS_GROUPED_GEMM_ENV", "cutlass_grouped_gemm_on", "use_cutlass_grouped_gemm"]
 
 CUTLASS_GROUPED_GEMM_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 
@@ -39,4 +39,9 @@ def use_cutlass_grouped_gemm(*, bf16: bool) -> bool:
     if CUTLASS_GROUPED_GEMM_ENV not in os.environ and bf16 and torch.cuda.is_available():
         if torch.cuda.get_device_capability() == (9, 0):
             os.environ[CUTLASS_GROUPED_GEMM_ENV] = "1"
+    return cutlass_grouped_gemm_on()
+
+
+def cutlass_grouped_gemm_on() -> bool:
+    """Whether this process asks TE for its CUTLASS grouped GEMM (``NVTE_USE_CUTLASS_GROUPED_GEMM`` set, not to 0)."""
     return os.environ.get(CUTLASS_GROUPED_GEMM_ENV, "0") not in ("", "0")
