@@ -58,15 +58,15 @@ def run_size(model, optimizer, cfg, slots: int, cp: int, args, cuda: bool) -> di
                pair_imbalance=max(shard.pairs) / (sum(shard.pairs) / cp),
                token_imbalance=max(shard.tokens) / (sum(shard.tokens) / cp))  # fmt: skip
     try:
-        times, _, peak = timed_steps(model, optimizer, mbs, loss_fn, tree_forward_backward, args.warmup, args.steps)
+        timed = timed_steps(model, optimizer, mbs, loss_fn, tree_forward_backward, args.warmup, args.steps)
     except torch.OutOfMemoryError as exc:  # one process (CP = 1) only: ranks of a group would hang
         row["result"] = "oom"
         row["error"] = str(exc).splitlines()[0][:200]
         return row
     peaks = [None] * cp
-    torch.distributed.all_gather_object(peaks, peak, group=None)
-    step = statistics.median(times)
-    row.update(result="ok", step_s=step, step_spread_s=[min(times), max(times)], peak_mem_gib=peaks,
+    torch.distributed.all_gather_object(peaks, timed.peak_gib, group=None)
+    step = statistics.median(timed.times)
+    row.update(result="ok", step_s=step, step_spread_s=[min(timed.times), max(timed.times)], peak_mem_gib=peaks,
                tflops_per_gpu=(mb.num_tokens * per_token + pairs * per_pair) / step / cp / 1e12)  # fmt: skip
     return row
 

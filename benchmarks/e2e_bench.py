@@ -46,6 +46,7 @@ import pstats
 import statistics
 import tempfile
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -150,12 +151,24 @@ def train_step(model, optimizer, mbs, loss_fn, run, between=None) -> None:
                                  f"optimizer step has applied it (bf16: no loss scaler skips it)")
 
 
-def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) -> tuple[list[float], list[float], float | None]:
-    """Step times (s) after ``warmup`` steps, the optimizer's share of each (s, from a
-    synchronised mark after the backward; CUDA only, else 0), and peak GPU memory in GiB
-    (None on CPU). Python's garbage collector runs between steps, not inside them (as
-    Megatron's ``--manual-gc``): a collection inside a host-bound step is noise."""
-    times, optimizer_times = [], []
+class StepTimes(NamedTuple):
+    """:func:`timed_steps`' measurements: step times (s) after the warm-up, the optimizer's share of each (s, from a
+    synchronised mark after the backward; CUDA only, else 0), peak GPU memory in GiB (None on CPU), and per timed
+    step the caching allocator's ``cudaMalloc`` calls and its retries (a failed ``cudaMalloc`` that freed the cache
+    and tried again; both 0 on CPU): where they are not 0, the allocator's device calls are in the step's time."""
+
+    times: list[float]
+    optimizer_times: list[float]
+    peak_gib: float | None
+    cuda_mallocs: list[int]
+    alloc_retries: list[int]
+
+
+def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) -> StepTimes:
+    """``warmup + steps`` training steps, the last ``steps`` measured (:class:`StepTimes`). Python's garbage collector
+    runs between steps, not inside them (as Megatron's ``--manual-gc``): a collection inside a host-bound step is
+    noise."""
+    times, optimizer_times, mallocs, retries = [], [], [], []
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -166,20 +179,29 @@ def timed_steps(model, optimizer, mbs, loss_fn, run, warmup: int, steps: int) ->
             torch.cuda.synchronize()
         marks.append(time.perf_counter())
 
+    def allocator() -> tuple[int, int]:
+        stats = torch.cuda.memory_stats() if cuda else {}
+        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
     gc.disable()
     try:
         for i in range(warmup + steps):
             gc.collect()
             marks.clear()
+            before = allocator()
             mark()
             train_step(model, optimizer, mbs, loss_fn, run, between=mark if cuda else None)
             mark()
             if i >= warmup:
                 times.append(marks[-1] - marks[0])
                 optimizer_times.append(marks[-1] - marks[1] if cuda else 0.0)
+                after = allocator()
+                mallocs.append(after[0] - before[0])
+                retries.append(after[1] - before[1])
     finally:
         gc.enable()
-    return times, optimizer_times, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return StepTimes(times, optimizer_times, peak, mallocs, retries)
 
 
 def host_profile(fn, path: str, top: int = 100) -> None:
@@ -209,9 +231,9 @@ def init_one_process(cuda: bool) -> None:
     init_distributed(seed=1, backend="nccl" if cuda else "gloo")
 
 
-def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool, backend: str = "auto"):
+def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool, backend: str = "auto", lr: float = 1e-5):
     """``(model chunks, optimizer)``: the model Megatron initialises from the HF config at ``path``
-    (tree attention or upstream), wrapped in DDP, with Adam."""
+    (tree attention or upstream), wrapped in DDP, with Adam at learning rate ``lr``."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_tree.mcore.bridge import build_model
@@ -222,11 +244,18 @@ def build(path: str, *, tree: bool, bf16: bool, recompute: str, cuda: bool, back
     )
     # megatron-core's gradient clipping asserts CUDA tensors: clip on GPUs only.
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-5, bf16=bf16, clip_grad=1.0 if cuda else 0.0,
+        OptimizerConfig(optimizer="adam", lr=lr, bf16=bf16, clip_grad=1.0 if cuda else 0.0,
                         use_distributed_optimizer=False),
         model,
     )
     return model, optimizer
+
+
+def profiled_step_summary(profile: dict) -> dict:
+    """One profiled step's wall, device-busy and summed kernel time (ms) from :func:`step_profile.profile_step`'s
+    breakdown: the kernels' sum moving with the wall time puts a spread on the device (clocks, the experts' token
+    counts), the idle time (wall - busy) moving puts it on the host."""
+    return dict(wall_ms=profile["wall_ms"], busy_ms=profile["busy_ms"], kernel_ms=sum(profile["kernels_ms"].values()))
 
 
 def loss_fn(logprobs, mb):
@@ -245,6 +274,11 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="add one profiled step per mode: kernel time by category, logprobs, optimizer, idle")
+    ap.add_argument("--profile-steps", type=int, default=1,
+                    help="with --profile, profile this many steps per mode; above 1 the row also lists each one's "
+                         "wall, device-busy and kernel time (is a step's spread on the device or on the host?)")
+    ap.add_argument("--lr", type=float, default=1e-5,
+                    help="Adam's learning rate (0: the weights, and so an MoE router's choices, stay as initialised)")
     ap.add_argument("--host-profile", action="store_true",
                     help="add one cProfile'd step per mode; its top functions go to <out>.host_<workload>_<mode>.txt")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke runs)")
@@ -308,30 +342,36 @@ def main():
                     gc.collect()
                     torch.cuda.empty_cache() if cuda else None
                     model, optimizer = build(path, tree=tree_model, bf16=cuda, recompute=args.recompute, cuda=cuda,
-                                             backend=args.attention_backend)
+                                             backend=args.attention_backend, lr=args.lr)
                     built = tree_model
                 run = flat_forward_backward if mode == "flat" and te else tree_forward_backward
                 mbs = pack_trees(seqs, spec if mode == "tree" else flat_spec, share_prefixes=mode == "tree",
                                  pad_to_multiple_of=128)
                 try:
-                    times, optimizer_times, peak = timed_steps(model, optimizer, mbs, loss_fn, run, args.warmup,
-                                                               args.steps)
+                    timed = timed_steps(model, optimizer, mbs, loss_fn, run, args.warmup, args.steps)
                 except FloatingPointError as e:
                     kind = baseline if mode == "flat" else "tree"
                     raise SystemExit(f"e2e_bench: {args.model}, workload {name}, {mode} mode ({kind}): {e}; no row for "
                                      f"it") from e
+                times = timed.times
                 step_s = statistics.median(times)
                 computed_tokens, computed_pairs = packed_work(mbs)
                 flops = row["flops_flat"] if mode == "flat" else row["flops_tree"]
                 row[mode] = dict(step_s=step_s, step_times=times, step_spread=(max(times) - min(times)) / step_s,
-                                 optimizer_s=statistics.median(optimizer_times), tokens_per_s=row["original_tokens"] / step_s,
-                                 peak_mem_gib=peak, micro_batches=len(mbs), max_mb_slots=max(mb.num_slots for mb in mbs),
+                                 optimizer_s=statistics.median(timed.optimizer_times),
+                                 tokens_per_s=row["original_tokens"] / step_s, peak_mem_gib=timed.peak_gib,
+                                 cuda_mallocs=timed.cuda_mallocs, alloc_retries=timed.alloc_retries,
+                                 micro_batches=len(mbs), max_mb_slots=max(mb.num_slots for mb in mbs),
                                  computed_tokens=computed_tokens, computed_pairs=computed_pairs,
                                  recomputed_tokens=PackingStats.of(mbs).recomputed_tokens,
                                  recomputed_pairs=packed_work([mb for mb in mbs if mb.reruns_forward])[1],
                                  tflops_per_s=flops / step_s / 1e12)
                 if args.profile:
-                    row[mode]["profile"] = profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))
+                    profiles = [profile_step(lambda: train_step(model, optimizer, mbs, loss_fn, run))
+                                for _ in range(args.profile_steps)]
+                    row[mode]["profile"] = profiles[0]
+                    if args.profile_steps > 1:
+                        row[mode]["profiled_steps"] = [profiled_step_summary(p) for p in profiles]
                 if args.host_profile:
                     host_profile(lambda: train_step(model, optimizer, mbs, loss_fn, run),
                                  f"{os.path.splitext(args.out)[0]}.host_{name}_{mode}.txt")

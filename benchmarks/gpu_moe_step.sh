@@ -5,6 +5,9 @@
 #   PART=check    TE setup; tests/mcore/test_grouped_gemm_gpu.py (TE's CUTLASS grouped GEMM against fp64 and cuBLAS,
 #                 bf16); then the GRPO and multi-turn steps, CUTLASS grouped GEMM on (the model build's default)
 #   PART=cublas   the multi-turn step with TE's cuBLAS grouped GEMM (NVTE_USE_CUTLASS_GROUPED_GEMM=0)
+#   PART=spread   where the multi-turn steps' spread comes from: both modes with 4 profiled steps each (wall, device-busy
+#                 and kernel time per step) and the caching allocator's cudaMalloc calls and retries per step; the tree
+#                 alone at learning rate 0 (the router's choices fixed); both modes with PyTorch's expandable segments
 #   PART=rest     the no-sharing step (flat at 16k tokens: at 32k it ran out of memory after another workload in the
 #                 same process; not tried alone), then
 #                 benchmarks/attention_bench.py on the GRPO and multi-turn trees (FA4, cuDNN's flex, causal cuDNN)
@@ -19,11 +22,13 @@ if ! python3 -c "import transformer_engine.pytorch, megatron.core" 2>/dev/null; 
 fi
 export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
 tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
-step() {  # step NAME CUTLASS WORKLOADS FLAT_TOKENS_PER_MB
-  NVTE_USE_CUTLASS_GROUPED_GEMM=$2 timeout 400 python3 benchmarks/e2e_bench.py --model qwen3-moe-2b \
-    --workloads "$3" --warmup 1 --steps "${STEPS:-8}" --max-tokens-per-mb 32768 --flat-max-tokens-per-mb "$4" \
-    --out "$OUT/$1_$tag.json" > "$OUT/$1_$tag.log" 2>&1
-  grep -E "ratio=|Error|error" "$OUT/$1_$tag.log" | grep -v -i warn | tail -5
+step() {  # step NAME CUTLASS WORKLOADS FLAT_TOKENS_PER_MB [more e2e_bench.py arguments]
+  local name=$1 cutlass=$2 workloads=$3 flat=$4
+  shift 4
+  NVTE_USE_CUTLASS_GROUPED_GEMM=$cutlass timeout 400 python3 benchmarks/e2e_bench.py --model qwen3-moe-2b \
+    --workloads "$workloads" --warmup 1 --steps "${STEPS:-8}" --max-tokens-per-mb 32768 --flat-max-tokens-per-mb "$flat" \
+    "$@" --out "$OUT/${name}_$tag.json" > "$OUT/${name}_$tag.log" 2>&1
+  grep -E "ratio=|Error|error|ms/" "$OUT/${name}_$tag.log" | grep -v -i warn | tail -5
 }
 case "${PART:-check}" in
 check)
@@ -34,6 +39,12 @@ check)
   step e2e_moe_grpo_mb32k_cutlass 1 grpo 32768
   step e2e_moe_multi_turn_mb32k_cutlass 1 multi_turn 32768 ;;
 cublas) step e2e_moe_multi_turn_mb32k_cublas 0 multi_turn 32768 ;;
+spread)
+  step e2e_moe_multi_turn_mb32k_spread 1 multi_turn 32768 --profile-steps 4
+  step e2e_moe_multi_turn_mb32k_spread_lr0 1 multi_turn 32768 --profile-steps 4 --lr 0 --modes tree
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step e2e_moe_multi_turn_mb32k_spread_expandable 1 multi_turn 32768 \
+    --profile-steps 4
+  python3 benchmarks/step_spread.py "$OUT"/e2e_moe_multi_turn_mb32k_spread*_"$tag".json ;;
 rest)
   step e2e_moe_no_sharing_mb32k_cutlass 1 no_sharing 16384
   timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_unpadded" --workloads grpo multi_turn \

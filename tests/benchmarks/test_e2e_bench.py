@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow
 def test_e2e_bench_cpu_smoke(tmp_path):
     out = tmp_path / "e2e.json"
     proc = run_python("benchmarks/e2e_bench.py", ["--model", "tiny", "--scale", "0.02", "--max-tokens-per-mb", "256",
-                                                  "--workloads", "grpo,no_sharing", "--warmup", "0", "--steps", "1",
-                                                  "--out", out])
+                                                  "--workloads", "grpo,no_sharing", "--warmup", "0", "--steps", "2",
+                                                  "--profile-steps", "2", "--lr", "0", "--out", out])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["device"] == "cpu"
@@ -30,9 +30,14 @@ def test_e2e_bench_cpu_smoke(tmp_path):
         assert max(flat["max_mb_slots"], tree["max_mb_slots"]) <= 256
         for mode in (flat, tree):
             assert mode["step_s"] > 0 and mode["peak_mem_gib"] is None
+            assert len(mode["step_times"]) == 2 and mode["cuda_mallocs"] == mode["alloc_retries"] == [0, 0]
             profile = mode["profile"]
             assert 0 < profile["busy_ms"] <= profile["wall_ms"]
+            assert mode["profiled_steps"][0]["wall_ms"] == profile["wall_ms"]
+            assert all(0 < p["busy_ms"] <= p["wall_ms"] and p["kernel_ms"] == 0 for p in mode["profiled_steps"])
             assert profile["regions_ms"]["logprobs"] > 0 and profile["regions_ms"]["optimizer"] > 0
+    spread = run_python("benchmarks/step_spread.py", [out])
+    assert spread.returncode == 0 and spread.stdout.count("profiled: wall") == 4, spread.stdout + spread.stderr
 
 
 def test_e2e_bench_chunked_trees_compute_each_token_once(tmp_path):
