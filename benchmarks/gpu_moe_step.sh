@@ -11,7 +11,8 @@
 #   PART=rest     the no-sharing step (flat at 16k tokens: at 32k it ran out of memory after another workload in the
 #                 same process; not tried alone), then
 #                 benchmarks/attention_bench.py on the GRPO and multi-turn trees (FA4, cuDNN's flex, causal cuDNN)
-# Logs and JSON under $OUT (default benchmarks/results/te); STEPS timed steps per mode (default 8).
+# Logs and JSON under $OUT (default benchmarks/results/te); STEPS timed steps per mode (default 8) after WARMUP (default
+# 2: the first step after one warm-up still grows the caching allocator, cudaMalloc calls in its time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/te}
@@ -26,7 +27,7 @@ step() {  # step NAME CUTLASS WORKLOADS FLAT_TOKENS_PER_MB [more e2e_bench.py ar
   local name=$1 cutlass=$2 workloads=$3 flat=$4
   shift 4
   NVTE_USE_CUTLASS_GROUPED_GEMM=$cutlass timeout 400 python3 benchmarks/e2e_bench.py --model qwen3-moe-2b \
-    --workloads "$workloads" --warmup 1 --steps "${STEPS:-8}" --max-tokens-per-mb 32768 --flat-max-tokens-per-mb "$flat" \
+    --workloads "$workloads" --warmup "${WARMUP:-2}" --steps "${STEPS:-8}" --max-tokens-per-mb 32768 --flat-max-tokens-per-mb "$flat" \
     "$@" --out "$OUT/${name}_$tag.json" > "$OUT/${name}_$tag.log" 2>&1
   grep -E "ratio=|Error|error|ms/" "$OUT/${name}_$tag.log" | grep -v -i warn | tail -5
 }
@@ -39,6 +40,10 @@ check)
   step e2e_moe_grpo_mb32k_cutlass 1 grpo 32768
   step e2e_moe_multi_turn_mb32k_cutlass 1 multi_turn 32768 ;;
 cublas) step e2e_moe_multi_turn_mb32k_cublas 0 multi_turn 32768 ;;
+warm2)  # both workloads, the default build, two warm-up steps
+  step e2e_moe_multi_turn_mb32k_warm2 1 multi_turn 32768 --profile-steps 4
+  step e2e_moe_grpo_mb32k_warm2 1 grpo 32768 --profile-steps 4
+  python3 benchmarks/step_spread.py "$OUT"/e2e_moe_*_mb32k_warm2_"$tag".json ;;
 spread)
   step e2e_moe_multi_turn_mb32k_spread 1 multi_turn 32768 --profile-steps 4
   step e2e_moe_multi_turn_mb32k_spread_lr0 1 multi_turn 32768 --profile-steps 4 --lr 0 --modes tree

@@ -41,7 +41,8 @@ from megatron_tree.core.microbatch_spec import MicroBatchSpec
 from megatron_tree.core.packing import pack_trees
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
 
-__all__ = ["K", "FLOOR", "Row", "accept", "conformance_tree", "head_dim_grid", "main", "run_conformance"]
+__all__ = ["K", "FLOOR", "Row", "accept", "conformance_tree", "forward_backward", "head_dim_grid", "main",
+           "relative_errors", "run_conformance"]
 
 K = 2.0
 """A backend's relative error may be at most ``K`` times the dense kernel's at the same precision (FlashAttention's rule)."""
@@ -106,11 +107,13 @@ class Row:
     window: int | None = None
 
 
-def _rel(xs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> dict[str, float]:
+def relative_errors(xs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> dict[str, float]:
+    """``{"out", "dq", "dk", "dv": ||x - ref|| / ||ref||}`` (Frobenius norms, in fp64) of ``xs`` against ``refs``, both
+    in :data:`GRADS` order: the errors :func:`accept` compares."""
     return {n: ((x.double() - r).norm() / r.norm()).item() for n, x, r in zip(GRADS, xs, refs)}
 
 
-def _fwd_bwd(fn: Callable, base: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+def forward_backward(fn: Callable, base: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """out, dq, dk, dv of ``fn(q, k, v)`` on ``base = (q, k, v, grad_out)`` cast to ``dtype``."""
     q, k, v = (x.detach().to(dtype, copy=True).requires_grad_() for x in base[:3])
     out = fn(q, k, v)
@@ -244,10 +247,10 @@ def run_conformance(
                                                                         enable_gqa=True)
 
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-                ref = _fwd_bwd(dense, base, torch.float64)
+                ref = forward_backward(dense, base, torch.float64)
             for dtype_name in dtypes:
                 dtype = DTYPES[dtype_name]
-                dense_errors = _rel(_fwd_bwd(dense, base, dtype), ref)
+                dense_errors = relative_errors(forward_backward(dense, base, dtype), ref)
                 for backend in backends:
                     for mode in modes:
                         fn = _routed(backend, end, slots, scale, window) if mode == "routed" else None
@@ -265,7 +268,7 @@ def run_conformance(
                         row = Row(backend, mode, tree, d, dv, ratio, dtype_name, generation, "pass",
                                   dense_errors=dense_errors, window=window)
                         try:
-                            errors = _rel(_fwd_bwd(fn, base, dtype), ref)
+                            errors = relative_errors(forward_backward(fn, base, dtype), ref)
                         except Exception as exc:
                             row.status = "refused" if mode == "routed" else "error"
                             row.message = f"{type(exc).__name__}: {exc}"[:400]

