@@ -1,4 +1,5 @@
-"""attention_bench.tile_ceiling: 1 on a causal chain; below 1 by exactly the masked share of the visited tiles."""
+"""attention_bench.tile_ceiling: 1 on a causal chain; below 1 by exactly the masked share of the visited tiles.
+tile_layouts.relayout: the layouts it counts are the same forest."""
 
 import sys
 
@@ -30,3 +31,44 @@ def test_two_documents_cut_inside_a_tile():
     causal = 384 * 385 / 2 / (6 * 128 * 128)
     expected = pairs / (5 * 128 * 128) / causal
     assert abs(_ceiling(end, 128) - expected) < 1e-12 and expected < 1
+
+
+def test_tile_layouts_relayout():
+    """``tile_layouts.relayout``: as packed it gives back the packer's own layout; aligned, every tree starts on a
+    tile boundary behind self-attending padding; largest first, every node's children run by subtree size, largest
+    first; every layout is the same forest (tree sizes kept, useful pairs kept apart from the padding's own)."""
+    import numpy as np
+    from megatron_tree import MicroBatchSpec, pack_trees
+    from megatron_tree.core.masks import tree_parents
+    from megatron_tree.core.synthetic import grpo_batch
+    from tile_layouts import relayout
+
+    seqs = grpo_batch(np.random.default_rng(3), n_prompts=3, samples=(2, 5), prompt_len=(40, 300),
+                      response_len=(5, 200), vocab=50)
+    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=4096))[0]
+    end = mb.attention_mask[0, : mb.num_tokens].numpy().astype(np.int64)
+    assert np.array_equal(relayout(end, False, False), end)
+
+    def trees(e):  # (start, size) of every tree, padding's one-slot trees apart
+        parent = tree_parents(torch.as_tensor(e)).numpy()
+        roots = np.flatnonzero(parent < 0)
+        return [(int(r), int(e[r] - r)) for r in roots if e[r] - r > 1]
+
+    packed = trees(end)
+    assert len(packed) == 3 and any(start % 128 for start, _ in packed[1:])
+    pairs = int((end - np.arange(len(end))).sum())
+    for largest_first in (False, True):
+        for aligned in (False, True):
+            new = relayout(end, largest_first, aligned)
+            got = trees(new)
+            assert sorted(size for _, size in got) == sorted(size for _, size in packed)
+            assert int((new - np.arange(len(new))).sum()) - (len(new) - len(end)) == pairs
+            if aligned:
+                assert all(start % 128 == 0 for start, _ in got)
+            if largest_first:
+                assert [size for _, size in got] == sorted((size for _, size in packed), reverse=True)
+                parent = tree_parents(torch.as_tensor(new)).numpy()
+                size = new - np.arange(len(new))
+                for p in np.unique(parent[parent >= 0]):
+                    kids = size[np.flatnonzero(parent == p)]  # in slot order
+                    assert np.all(np.diff(kids) <= 0)
