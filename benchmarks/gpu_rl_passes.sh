@@ -54,22 +54,4 @@ for mode in tree-training no-tree-training; do
   timeout 420 python3 -m megatron_tree.train --config "$PPO_CONFIG" --steps "${PPO_STEPS:-4}" \
     --"$mode" ${PPO_ARGS:-} $extra --no-progress --log-jsonl "$OUT/ppo_${mode%%-*}.jsonl" 2>&1 | grep -v -i warn | tail -4 | tee -a "$LOG"
 done
-python3 - "$OUT" <<'PY' | tee -a "$LOG"
-import json, statistics, sys
-out = sys.argv[1]
-records = {name: [json.loads(l) for l in open(f"{out}/ppo_{name}.jsonl") if '"step_s"' in l] for name in ("tree", "no")}
-def med(name, key="step_s"):  # median after the first step
-    return statistics.median(r[key] for r in records[name][1:])
-tree, flat, last_t, last_f = med("tree"), med("no"), records["tree"][-1], records["no"][-1]
-flops = {name: rs[-1]["tflops_per_gpu"] * rs[-1]["step_s"] for name, rs in records.items()}  # TFLOP of a step
-print(f"model TFLOP/s tree {flops['tree'] / tree:.0f}, flat {flops['no'] / flat:.0f}; FLOP ideal "
-      f"{flops['no'] / flops['tree']:.2f}x, achieved {flat / tree / (flops['no'] / flops['tree']):.2f}")
-print(f"PPO step median after the first: tree {tree:.2f} s, flat {flat:.2f} s, flat/tree {flat / tree:.2f}"
-      f" (tree_token_ratio {last_t.get('tree_token_ratio', float('nan')):.3f}; micro-batches tree / flat: updates "
-      f"{last_t['micro_batches']} / {last_f['micro_batches']}, forward-only passes {last_t.get('forward_micro_batches')}"
-      f" / {last_f.get('forward_micro_batches')})")
-passes = {p: (med("tree", f"pass_{p}_s"), med("no", f"pass_{p}_s"))
-          for p in ("old", "reference", "values", "scores", "actor", "critic")}
-print("per pass, median after the first (s):  " + "  ".join(
-    f"{p} {t:.3f} / {f:.3f} ({f / t:.2f}x)" for p, (t, f) in passes.items()) + "  (tree / flat)")
-PY
+python3 benchmarks/ppo_records.py "$OUT/ppo_tree.jsonl" "$OUT/ppo_no.jsonl" | tee -a "$LOG"

@@ -9,13 +9,12 @@ median speedup after the first step next to the FLOP ideal (flat / tree model FL
 """
 
 import argparse
-import json
-import statistics
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from ppo_records import load, median_after_first, step_tflop  # noqa: E402
 
 
 def main():
@@ -24,12 +23,11 @@ def main():
     ap.add_argument("flat", help="JSONL of the --no-tree-training run")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    runs = {name: [json.loads(line) for line in open(path) if '"step_s"' in line]
-            for name, path in (("tree", args.tree), ("flat", args.flat))}  # fmt: skip
-    med = {name: statistics.median(r["step_s"] for r in rows[1:]) for name, rows in runs.items()}
+    runs = {"tree": load(args.tree), "flat": load(args.flat)}
+    med = {name: median_after_first(rows) for name, rows in runs.items()}
     last = {name: rows[-1] for name, rows in runs.items()}
     if all("tflops_per_gpu" in r for r in last.values()):  # the FLOP ideal: flat / tree model FLOPs of a step
-        flops = {name: r["tflops_per_gpu"] * r["step_s"] for name, r in last.items()}
+        flops = {name: step_tflop(r) for name, r in last.items()}
         ideal, kind = flops["flat"] / flops["tree"], "FLOP ideal"
     else:  # records from before the launcher logged model FLOPs: the linear layers' ideal
         ideal, kind = 1 / last["tree"]["tree_token_ratio"], "token ideal"

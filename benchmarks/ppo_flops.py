@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from megatron_tree import pack_trees
 from megatron_tree.core.flops import ModelFlops, packed_work
 from megatron_tree.train.config import ModelConfig, RunConfig
 from megatron_tree.train.data import open_rollout_source
 from megatron_tree.train.trainer import hf_text_config, micro_batch_specs, update_flops
+from ppo_records import load, median_after_first
 
 
 def step_flops(cfg: RunConfig, tree: bool) -> tuple[float, int, int]:
@@ -62,8 +62,7 @@ def main() -> None:
         row = rows[mode] = dict(flops=flops, micro_batches=updates, forward_micro_batches=forwards)
         path = getattr(args, f"{mode}_jsonl")
         if path:
-            records = [json.loads(line) for line in open(path) if '"step_s"' in line]
-            row["step_s"] = statistics.median(r["step_s"] for r in records[1:])
+            row["step_s"] = median_after_first(load(path))
             row["tflops_per_s"] = flops / row["step_s"] / 1e12
         print(mode, json.dumps(row))
     ideal = rows["flat"]["flops"] / rows["tree"]["flops"]
