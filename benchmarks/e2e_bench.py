@@ -295,6 +295,10 @@ def main():
                          "chunk, so it must hold the longest sequence")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.profile_steps < 1:
+        ap.error(f"--profile-steps must be at least 1 (got {args.profile_steps}); --no-profile profiles no step")
+    if not args.lr >= 0:
+        ap.error(f"--lr must be a non-negative number (got {args.lr})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     cuda = torch.cuda.is_available()
     if not cuda and not args.model.startswith("tiny"):
