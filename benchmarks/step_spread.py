@@ -47,7 +47,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     for path in ap.parse_args().files:
-        print("\n".join(report(path)))
+        try:
+            lines = report(path)
+        except (OSError, ValueError, KeyError) as exc:  # ValueError: not JSON; KeyError: not e2e_bench.py's
+            raise SystemExit(f"step_spread: {path}: {type(exc).__name__}: {exc} (an e2e_bench.py --out JSON file?)")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

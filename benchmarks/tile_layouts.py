@@ -69,8 +69,8 @@ def ceiling(subtree_end: np.ndarray, tree_pairs: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", nargs="+", default=["grpo", "multi_turn"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workloads", nargs="+", default=["grpo", "multi_turn"], choices=sorted(workloads(0)))
     args = ap.parse_args()
     batches = workloads(args.seed)
     for name in args.workloads:
