@@ -16,14 +16,7 @@
 # 2: the first step after one warm-up still grows the caching allocator, cudaMalloc calls in its time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/te}
-mkdir -p "$OUT"
-if ! python3 -c "import transformer_engine.pytorch, megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
-  bash .te/te-setup.sh > "$OUT/te_setup.log" 2>&1 || { tail -20 "$OUT/te_setup.log"; exit 1; }
-fi
-export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
-tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
+. benchmarks/gpu_host_env.sh
 step() {  # step NAME CUTLASS WORKLOADS FLAT_TOKENS_PER_MB [more e2e_bench.py arguments]
   local name=$1 cutlass=$2 workloads=$3 flat=$4
   shift 4

@@ -8,14 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${PART:-}" in 1a|1b|2a|2b) ;; *) echo "gpu_suite.sh: set PART to 1a, 1b, 2a or 2b (got '${PART:-}')" >&2; exit 2 ;; esac
-OUT=${OUT:-benchmarks/results/te}
-mkdir -p "$OUT"
-if ! python3 -c "import transformer_engine.pytorch, megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
-  bash .te/te-setup.sh > "$OUT/te_setup.log" 2>&1 || { tail -20 "$OUT/te_setup.log"; exit 1; }
-fi
-export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
-tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
+. benchmarks/gpu_host_env.sh
 heavy="tests/mcore tests/train"
 rest=$(ls -d tests/*/ tests/test_*.py | grep -v -E "^tests/(mcore|train|cpu_pass|scripts)/?$")
 case "$PART" in
