@@ -59,6 +59,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.attention import cudnn_flex
+from megatron_tree.attention.conformance import forward_backward, relative_errors
 from megatron_tree.attention.cudnn_flex import cudnn_flex_available, cudnn_flex_tree_mask, tree_intervals
 from megatron_tree.attention.fa4 import fa4_available, fa4_tree_attention, fa4_tree_mask
 from megatron_tree.attention.flex import classify_blocks, flex_tree_attention, flex_tree_mask, padded_length, tree_block_mask
@@ -268,6 +269,11 @@ def varlen_attention(cu_seqlens: torch.Tensor, max_len: int):
     return attn
 
 
+def error_line(exc: Exception) -> str:
+    """``"<type>: <first line of its message>"``: what a row records of a call the kernels refused."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def tree_segments(end: torch.Tensor) -> torch.Tensor:
     """``cu_seqlens`` int32 ``[S + 1]`` that cut ``end``'s slots (``subtree_end`` int [T]) at every tree's first slot,
     a run of one-slot trees (the padding) kept in one segment: each tree then is one THD sequence of a varlen call,
@@ -296,13 +302,19 @@ def segment_intervals(end: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tens
 def segment_tile_ceiling(end: torch.Tensor, cu_seqlens: torch.Tensor, tree_pairs: int, block_size: int = 128) -> float:
     """:func:`tile_ceiling` of a varlen call over the segments ``cu_seqlens`` of ``end`` (``subtree_end`` int [T]):
     each segment tiled from its own first slot (its last tile ragged), against causal attention on the T slots."""
-    visited = 0
-    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        n = -(-(b - a) // block_size) * block_size
-        local = torch.cat([end[a:b] - a, torch.arange(b - a + 1, n + 1, device=end.device, dtype=end.dtype)])
-        partial, full = classify_blocks(local, block_size)
-        visited += int(partial.sum() + full.sum())
+    bounds = zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())
+    visited = sum(visited_tiles(end[a:b] - a, block_size)[1] for a, b in bounds)
     return tile_ceiling(tree_pairs, visited, end.shape[0], block_size)
+
+
+def visited_tiles(end: torch.Tensor, block_size: int = 128) -> tuple[int, int]:
+    """``(partial, visited)`` ``block_size``² tiles of ``subtree_end`` int [T] tiled from its slot 0, its last tile
+    filled with self-attending slots (as padding is)."""
+    t = end.shape[0]
+    n = -(-t // block_size) * block_size
+    partial, full = classify_blocks(torch.cat([end, torch.arange(t + 1, n + 1, device=end.device, dtype=end.dtype)]),
+                                    block_size)
+    return int(partial.sum()), int(partial.sum() + full.sum())
 
 
 def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:
@@ -385,7 +397,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         try:  # not a backend yet: a call the kernels refuse is recorded, not fatal to the rest of the bench
             times["cudnn_flex_per_tree"] = bench_cudnn_flex_per_tree(end, row, (q, k, v, g), cudnn_mask, args)
         except Exception as exc:
-            row["cudnn_flex_per_tree_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            row["cudnn_flex_per_tree_error"] = error_line(exc)
             print(f"  cudnn_flex_per_tree failed: {row['cudnn_flex_per_tree_error']}", flush=True)
     if not args.skip_dense and not long:
         mask = dense_tree_mask(end)
@@ -426,17 +438,17 @@ def bench_cudnn_flex_per_tree(end, row, tensors, cudnn_mask, args) -> dict[str, 
     from ``cudnn_flex_tree``'s on the same inputs (the same bf16 attention: a wrong mask shows here)."""
     from cudnn.flex_attention import create_mask_plan, flex_attn_func
 
-    cu = tree_segments(end)
-    longest = int(cu.diff().max())
     q, k, v, g = (x.detach().transpose(1, 2)[0].contiguous() for x in tensors)  # THD [T, heads, d]
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def prepare():  # the segments, their intervals and the mask plan with backward: once per micro-batch
-        segments = tree_segments(end)
-        return create_mask_plan(segment_intervals(end, segments), q, k, v, cu_seqlens_q=segments,
-                                cu_seqlens_k=segments, max_seqlen_q=longest, max_seqlen_k=longest, build_backward=True)
+        cu = tree_segments(end)
+        longest = int(cu.diff().max())  # a host sync, part of the build
+        plan = create_mask_plan(segment_intervals(end, cu), q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                max_seqlen_q=longest, max_seqlen_k=longest, build_backward=True)
+        return cu, plan
 
-    plan = prepare()  # compiles the plan kernels
+    cu, plan = prepare()  # compiles the plan kernels
 
     def per_tree(q, k, v):
         return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=HEAD_DIM ** -0.5)
@@ -537,7 +549,7 @@ def bench_variants(seqs, names, args, dev, gen) -> list[dict]:
             row.update(time_fwd_bwd(lambda q, k, v: flex_tree_attention(q, k, v, variant_mask, **options), [q, k, v], g,
                                     args))
         except Exception as exc:  # a variant the kernel refuses is reported, not fatal
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            row["error"] = error_line(exc)
         print(f"  variant {row}", flush=True)
         rows.append(row)
     return rows
@@ -555,12 +567,6 @@ def accuracy(dev, gen) -> dict:
             ((1, HEADS, t, HEAD_DIM), (1, KV_HEADS, t, HEAD_DIM), (1, KV_HEADS, t, HEAD_DIM), (1, HEADS, t, HEAD_DIM))]
     mask = dense_tree_mask(end)
 
-    def run(fn, dtype):
-        q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in base[:3])
-        out = fn(q, k, v)
-        out.backward(base[3].to(dtype))
-        return [out.detach(), q.grad, k.grad, v.grad]
-
     def dense(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -569,20 +575,20 @@ def accuracy(dev, gen) -> dict:
     def flex(q, k, v):
         return flex_tree_attention(q, k, v, flex_mask)
 
-    ref = run(dense, torch.float64)
+    ref = forward_backward(dense, base, torch.float64)
 
-    def err(xs):
-        return {n: ((x.double() - r).norm() / r.norm()).item() for n, x, r in zip(("out", "dq", "dk", "dv"), xs, ref)}
+    def err(fn, dtype):  # out / dq / dk / dv errors of fn in dtype against the fp64 dense reference
+        return relative_errors(forward_backward(fn, base, dtype), ref)
 
-    result = {"slots": t, "flex_fp32": err(run(flex, torch.float32)), "flex_bf16": err(run(flex, torch.bfloat16)),
-              "dense_bf16": err(run(dense, torch.bfloat16))}
+    result = {"slots": t, "flex_fp32": err(flex, torch.float32), "flex_bf16": err(flex, torch.bfloat16),
+              "dense_bf16": err(dense, torch.bfloat16)}
     if fa4_available():
         prepared = fa4_tree_mask(end)
-        result["fa4_bf16"] = err(run(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), torch.bfloat16))
+        result["fa4_bf16"] = err(lambda q, k, v: fa4_tree_attention(q, k, v, prepared), torch.bfloat16)
     if cudnn_flex_available():
         cudnn_mask = cudnn_flex_tree_mask(end)
-        result["cudnn_flex_bf16"] = err(run(lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5),
-                                            torch.bfloat16))
+        result["cudnn_flex_bf16"] = err(lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5),
+                                        torch.bfloat16)
     return result
 
 

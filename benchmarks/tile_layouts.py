@@ -22,8 +22,7 @@ import argparse
 import numpy as np
 import torch
 
-from attention_bench import SLOTS, fullest_micro_batch, tile_ceiling, workloads
-from megatron_tree.attention.flex import classify_blocks
+from attention_bench import SLOTS, fullest_micro_batch, tile_ceiling, visited_tiles, workloads
 from megatron_tree.core.masks import tree_parents
 
 TILE = 128
@@ -59,12 +58,9 @@ def relayout(subtree_end: np.ndarray, largest_first: bool, aligned: bool) -> np.
 
 def ceiling(subtree_end: np.ndarray, tree_pairs: int) -> dict:
     """Slots (padded with self-attending slots to a whole tile), partial tiles and ``tile_ceiling`` of a layout."""
-    t = len(subtree_end)
-    slots = -(-t // TILE) * TILE
-    end = torch.as_tensor(np.concatenate([subtree_end, np.arange(t + 1, slots + 1)]), dtype=torch.int32)
-    partial, full = classify_blocks(end, TILE)
-    visited = int(partial.sum() + full.sum())
-    return dict(slots=slots, partial_tiles=int(partial.sum()), ceiling=tile_ceiling(tree_pairs, visited, slots, TILE))
+    slots = -(-len(subtree_end) // TILE) * TILE
+    partial, visited = visited_tiles(torch.as_tensor(subtree_end, dtype=torch.int32), TILE)
+    return dict(slots=slots, partial_tiles=partial, ceiling=tile_ceiling(tree_pairs, visited, slots, TILE))
 
 
 def main():
