@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from step_profile import OPTIMIZER_REGION, profile_step
+from step_spread import spread
 from transformers import AutoConfig
 
 from megatron_tree import MicroBatchSpec, PackingStats, build_forest, pack_trees
@@ -361,7 +362,7 @@ def main():
                 step_s = statistics.median(times)
                 computed_tokens, computed_pairs = packed_work(mbs)
                 flops = row["flops_flat"] if mode == "flat" else row["flops_tree"]
-                row[mode] = dict(step_s=step_s, step_times=times, step_spread=(max(times) - min(times)) / step_s,
+                row[mode] = dict(step_s=step_s, step_times=times, step_spread=spread(times),
                                  optimizer_s=statistics.median(timed.optimizer_times),
                                  tokens_per_s=row["original_tokens"] / step_s, peak_mem_gib=timed.peak_gib,
                                  cuda_mallocs=timed.cuda_mallocs, alloc_retries=timed.alloc_retries,
