@@ -16,12 +16,11 @@ head dim 128, batch 1. Methods, each timed forward and forward + backward with C
                 tiles (needs flash-attn-4 and a Hopper/Blackwell GPU; its block tables' build time
                 is reported apart, ``fa4_mask_build_ms``, once per micro-batch for all layers)
   cudnn_flex_tree  cuDNN frontend's interval-mask flex attention (``megatron_tree.attention.cudnn_flex``, raw:
-                no PROVEN table) over the T slots, each query's root path as intervals (needs
-                nvidia-cudnn-frontend and a Hopper/Blackwell GPU; the intervals + mask plan build time is
-                reported apart, ``cudnn_flex_mask_build_ms``, once per micro-batch for all layers)
-  cudnn_flex_per_tree  the same kernels' varlen call, each tree of the micro-batch one THD sequence, so each tree
-                is tiled from its own first slot (not a backend yet: measured here first; its output's difference
-                from cudnn_flex_tree's and its tile ceiling are recorded next to it)
+                no PROVEN table): its varlen call, each tree of the micro-batch one THD sequence (tiled from its own
+                first slot), each query's root path as intervals local to its tree (needs nvidia-cudnn-frontend and a
+                Hopper/Blackwell GPU; the segments, intervals and mask plan build time is reported apart,
+                ``cudnn_flex_mask_build_ms``, once per micro-batch for all layers, next to the tile ceiling of the
+                per-tree tiling, ``cudnn_flex_tile_ceiling``)
   dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
   causal_flash  SDPA flash backend, causal over all T slots (the per-pair reference)
   causal_cudnn  SDPA cuDNN backend, causal over all T slots
@@ -60,11 +59,11 @@ from torch.nn.attention.flex_attention import create_block_mask
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.attention import cudnn_flex
 from megatron_tree.attention.conformance import forward_backward, relative_errors
-from megatron_tree.attention.cudnn_flex import cudnn_flex_available, cudnn_flex_tree_mask, tree_intervals
+from megatron_tree.attention.cudnn_flex import cudnn_flex_available, cudnn_flex_tree_mask
 from megatron_tree.attention.fa4 import fa4_available, fa4_tree_attention, fa4_tree_mask
 from megatron_tree.attention.flex import classify_blocks, flex_tree_attention, flex_tree_mask, padded_length, tree_block_mask
 from megatron_tree.core.flops import micro_batch_work
-from megatron_tree.core.masks import dense_tree_mask, tree_parents
+from megatron_tree.core.masks import dense_tree_mask
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
 
 HEADS, KV_HEADS, HEAD_DIM, SLOTS = 16, 8, 128, 32768
@@ -274,31 +273,6 @@ def error_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def tree_segments(end: torch.Tensor) -> torch.Tensor:
-    """``cu_seqlens`` int32 ``[S + 1]`` that cut ``end``'s slots (``subtree_end`` int [T]) at every tree's first slot,
-    a run of one-slot trees (the padding) kept in one segment: each tree then is one THD sequence of a varlen call,
-    and a varlen kernel tiles each sequence from its own first slot, so no tree's rows visit a tile shared with the
-    tree before it (``tile_layouts.py``'s "aligned", with no padding slots added)."""
-    end = end.reshape(-1).long()
-    t = end.shape[0]
-    root = tree_parents(end) < 0
-    single_root = root & (end - torch.arange(t, device=end.device) == 1)
-    after_single_root = torch.zeros_like(root)
-    after_single_root[1:] = single_root[:-1]
-    starts = root & ~(single_root & after_single_root)
-    starts[0] = True
-    first = torch.nonzero(starts).reshape(-1)
-    return torch.cat([first, first.new_tensor([t])]).to(torch.int32)
-
-
-def segment_intervals(end: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """cuDNN flex's varlen mask of a tree micro-batch cut by :func:`tree_segments`: :func:`~megatron_tree.attention.
-    cudnn_flex.tree_intervals`' endpoints ``[1, 2M - 1, T]`` made local to each row's segment (its first slot
-    subtracted; the empty leading intervals ``[0, 0)`` stay at 0)."""
-    first = torch.repeat_interleave(cu_seqlens[:-1].long(), cu_seqlens.diff().long())
-    return (tree_intervals(end) - first.to(torch.int32)).clamp_min(0).to(torch.int32).contiguous()
-
-
 def segment_tile_ceiling(end: torch.Tensor, cu_seqlens: torch.Tensor, tree_pairs: int, block_size: int = 128) -> float:
     """:func:`tile_ceiling` of a varlen call over the segments ``cu_seqlens`` of ``end`` (``subtree_end`` int [T]):
     each segment tiled from its own first slot (its last tile ragged), against causal attention on the T slots."""
@@ -383,8 +357,10 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
     if cudnn_flex_available():
         cudnn_mask = cudnn_flex_tree_mask(end)
         row["cudnn_flex_intervals"] = cudnn_mask.intervals.shape[1] // 2 + 1
+        row["cudnn_flex_segments"] = len(cudnn_mask.cu_seqlens) - 1
+        row["cudnn_flex_tile_ceiling"] = segment_tile_ceiling(end, cudnn_mask.cu_seqlens, row["tree_pairs"])
 
-        def cudnn_prepare():  # the intervals and the mask plan with backward: once per micro-batch for all layers
+        def cudnn_prepare():  # segments, intervals and the mask plan with backward: once per micro-batch for all layers
             mask = cudnn_flex_tree_mask(end.clone())
             mask.plan(*(x.transpose(1, 2) for x in (q, k, v)), True)
 
@@ -392,13 +368,9 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         row["cudnn_flex_mask_build_ms"] = wall_time(cudnn_prepare, 1, args.iters)
         times["cudnn_flex_tree"] = time_fwd_bwd(
             lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5), [q, k, v], g, args)
-        print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_intervals']} intervals, mask build "
-              f"{row['cudnn_flex_mask_build_ms']:.2f} ms)", flush=True)
-        try:  # not a backend yet: a call the kernels refuse is recorded, not fatal to the rest of the bench
-            times["cudnn_flex_per_tree"] = bench_cudnn_flex_per_tree(end, row, (q, k, v, g), cudnn_mask, args)
-        except Exception as exc:
-            row["cudnn_flex_per_tree_error"] = error_line(exc)
-            print(f"  cudnn_flex_per_tree failed: {row['cudnn_flex_per_tree_error']}", flush=True)
+        print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_segments']} sequences, "
+              f"{row['cudnn_flex_intervals']} intervals, mask build {row['cudnn_flex_mask_build_ms']:.2f} ms, tile "
+              f"ceiling {row['cudnn_flex_tile_ceiling']:.3f})", flush=True)
     if not args.skip_dense and not long:
         mask = dense_tree_mask(end)
         times["dense_sdpa"] = time_fwd_bwd(sdpa_gqa(SDPBackend.EFFICIENT_ATTENTION, attn_mask=mask), [q, k, v], g, args)
@@ -415,7 +387,7 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         times.update(bench_te_thd(mb.seq_lens, args, dev, gen))
     row["times"] = times
     pairs = {"flex_tree": row["tree_pairs"], "dense_sdpa": row["tree_pairs"], "fa4_tree": row["tree_pairs"],
-             "cudnn_flex_tree": row["tree_pairs"], "cudnn_flex_per_tree": row["tree_pairs"],
+             "cudnn_flex_tree": row["tree_pairs"],
              "causal_flash": row["causal_pairs"], "causal_cudnn": row["causal_pairs"], "causal_fa4": row["causal_pairs"]}
     pairs.update({m: row["flat_pairs"] for m in times if m.startswith("flat")})
     ref = row["causal_pairs"] / times["causal_flash"]["fwd_bwd_ms"]
@@ -428,43 +400,6 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         m: pairs[m] / tm["fwd_bwd_ms"] / dense[row["fastest_dense"]] for m, tm in times.items()
     }
     return row
-
-
-def bench_cudnn_flex_per_tree(end, row, tensors, cudnn_mask, args) -> dict[str, float]:
-    """cuDNN flex's varlen call with each tree of the micro-batch one THD sequence (:func:`tree_segments`,
-    :func:`segment_intervals`): the fwd / fwd+bwd times of the same attention as ``cudnn_flex_tree``, on THD copies of
-    ``tensors`` (q, k, v, output gradient of the bench's [1, h, T, d] layout), and in ``row``: its mask plan's build
-    time, its tile ceiling (each segment tiled from its own first slot), and the relative difference of its output
-    from ``cudnn_flex_tree``'s on the same inputs (the same bf16 attention: a wrong mask shows here)."""
-    from cudnn.flex_attention import create_mask_plan, flex_attn_func
-
-    q, k, v, g = (x.detach().transpose(1, 2)[0].contiguous() for x in tensors)  # THD [T, heads, d]
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-
-    def prepare():  # the segments, their intervals and the mask plan with backward: once per micro-batch
-        cu = tree_segments(end)
-        longest = int(cu.diff().max())  # a host sync, part of the build
-        plan = create_mask_plan(segment_intervals(end, cu), q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                max_seqlen_q=longest, max_seqlen_k=longest, build_backward=True)
-        return cu, plan
-
-    cu, plan = prepare()  # compiles the plan kernels
-
-    def per_tree(q, k, v):
-        return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=HEAD_DIM ** -0.5)
-
-    row["cudnn_flex_per_tree_segments"] = len(cu) - 1
-    row["cudnn_flex_per_tree_mask_build_ms"] = wall_time(prepare, 1, args.iters)
-    row["cudnn_flex_per_tree_tile_ceiling"] = segment_tile_ceiling(end, cu, row["tree_pairs"])
-    with torch.no_grad():
-        want = cudnn_flex._flex(*(x.detach() for x in tensors[:3]), cudnn_mask, HEAD_DIM ** -0.5)[0].transpose(0, 1)
-        got = per_tree(q, k, v)
-        row["cudnn_flex_per_tree_rel_diff"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    times = time_fwd_bwd(per_tree, [q, k, v], g, args)
-    print(f"  cudnn_flex_per_tree {times} ({len(cu) - 1} segments, mask build "
-          f"{row['cudnn_flex_per_tree_mask_build_ms']:.2f} ms, tile ceiling {row['cudnn_flex_per_tree_tile_ceiling']:.3f}, "
-          f"rel diff vs cudnn_flex_tree {row['cudnn_flex_per_tree_rel_diff']:.2e})", flush=True)
-    return times
 
 
 DENSE_KERNELS = ("causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen", "flat_te_thd")
@@ -600,7 +535,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["workloads"]
-    methods = ["fa4_tree", "cudnn_flex_tree", "cudnn_flex_per_tree", "flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen",
+    methods = ["fa4_tree", "cudnn_flex_tree", "flex_tree", "dense_sdpa", "causal_flash", "causal_cudnn", "causal_fa4", "flat_varlen",
                "flat_flex_doc", "flat_te_thd"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / len(methods)

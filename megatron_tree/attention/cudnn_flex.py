@@ -12,6 +12,13 @@ endpoints of M sorted half-open intervals ``[0, F0) U [F1, F2) U ...``. :func:`t
 from ``subtree_end`` on the device, vectorised (one pass per interval level, not per token); a GRPO prompt
 and its samples need M = 2, a deep multi-turn tree one interval per branch taken off the first-child path.
 
+Each tree is its own sequence: a micro-batch's trees (every slot a query) go to the kernels' varlen (THD) call, one
+sequence per tree (:func:`tree_segments`; a run of one-slot trees such as the padding is one more), with the intervals
+local to each sequence (:func:`segment_intervals`). A varlen kernel tiles each sequence from its own first slot, so no
+tree's rows visit a tile it shares with the tree before it (on the 32k GRPO micro-batch of ``attention_bench.py``
+1,026 -> 896 partly masked tiles). Query rows other than the slots (context parallel, a chunk behind its context) are
+one sequence.
+
 The kernels are the ``nvidia-cudnn-frontend`` package's (pinned to :data:`CUDNN_FRONTEND_VERSION`; they are
 CuTe DSL kernels, like FlashAttention-4's, with a persistent compile cache): a *mask plan* classifies the
 (query, key) tiles once per micro-batch and attention shape (``create_mask_plan``; one host sync) and materialises
@@ -48,7 +55,9 @@ __all__ = [
     "intervals_to_mask",
     "prepare",
     "refusal",
+    "segment_intervals",
     "tree_intervals",
+    "tree_segments",
 ]
 
 CUDNN_FRONTEND_VERSION = "1.32.0"
@@ -115,13 +124,46 @@ def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None =
     return endpoints[None]
 
 
-def intervals_to_mask(intervals: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """The dense mask ``[Tq, T]`` bool (True = attend) of :func:`tree_intervals`' ``[1, 2M - 1, Tq]`` endpoints."""
+def tree_segments(subtree_end: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` int32 ``[S + 1]`` cutting ``subtree_end``'s slots (int [T] or [1, T], not re-checked) at every
+    tree's first slot, a run of one-slot trees (the padding) kept in one segment: each tree one sequence of a varlen
+    call. ``cu_seqlens[0] = 0``, ``cu_seqlens[-1] = T``."""
+    end = subtree_end.reshape(-1).long()
+    t = end.shape[0]
+    root = tree_parents(end) < 0
+    single_root = root & (end - torch.arange(t, device=end.device) == 1)
+    after_single_root = torch.zeros_like(root)
+    after_single_root[1:] = single_root[:-1]
+    starts = root & ~(single_root & after_single_root)
+    starts[0] = True
+    first = torch.nonzero(starts).reshape(-1)
+    return torch.cat([first, first.new_tensor([t])]).to(torch.int32)
+
+
+def segment_intervals(subtree_end: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """:func:`tree_intervals`' endpoints ``[1, 2M - 1, T]`` made local to each row's segment of ``cu_seqlens``
+    (:func:`tree_segments`): its first slot subtracted, the empty leading intervals ``[0, 0)`` left at 0. Row r of
+    segment s sees the segment's keys ``[0, F[0, 0, r])`` and ``[F[0, 2u - 1, r], F[0, 2u, r])``."""
+    first = torch.repeat_interleave(cu_seqlens[:-1].long(), cu_seqlens.diff().long())
+    return (tree_intervals(subtree_end) - first.to(torch.int32)).clamp_min(0).to(torch.int32).contiguous()
+
+
+def intervals_to_mask(intervals: torch.Tensor, num_slots: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense mask ``[Tq, T]`` bool (True = attend) of ``[1, 2M - 1, Tq]`` endpoints: :func:`tree_intervals`' (keys
+    numbered from slot 0), or with ``cu_seqlens`` :func:`segment_intervals`' (keys numbered from each row's segment
+    start, Tq = T, no key outside the row's segment)."""
     f = intervals[0].long()
+    key = torch.arange(num_slots, device=f.device)[None, None]
+    if cu_seqlens is None:
+        key_local, inside = key, True
+    else:
+        lengths = cu_seqlens.diff().long()
+        first = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)[None, :, None]
+        key_local = key - first
+        inside = (key_local >= 0) & (key_local < torch.repeat_interleave(lengths, lengths)[None, :, None])
     begin = torch.cat([torch.zeros_like(f[:1]), f[1::2]])  # [M, Tq]
     finish = f[0::2]
-    key = torch.arange(num_slots, device=f.device)
-    return ((key[None, None] >= begin[..., None]) & (key[None, None] < finish[..., None])).any(0)
+    return ((key_local >= begin[..., None]) & (key_local < finish[..., None]) & inside).any(0)
 
 
 def cudnn_flex_unavailable_reason(device: torch.device | None = None) -> str | None:
@@ -140,13 +182,17 @@ def cudnn_flex_available(device: torch.device | None = None) -> bool:
 class CudnnFlexTreeMask:
     """One micro-batch's tree mask for the cuDNN flex kernels (built once, shared by all layers).
 
-    ``intervals``: :func:`tree_intervals`' int32 ``[1, 2M - 1, Tq]``; ``num_slots`` T, ``num_queries`` Tq;
-    ``plans``: the cuDNN mask plans built so far, by (h, hkv, d, dv, dtype, with backward).
+    ``intervals``: int32 ``[1, 2M - 1, Tq]``, :func:`segment_intervals`' when ``cu_seqlens`` is set (int32 [S + 1],
+    :func:`tree_segments`: the varlen call, one sequence per tree, ``max_seqlen`` its longest), else
+    :func:`tree_intervals`' (one sequence); ``num_slots`` T, ``num_queries`` Tq; ``plans``: the cuDNN mask plans built
+    so far, by (h, hkv, d, dv, dtype, with backward).
     """
 
     intervals: torch.Tensor
     num_slots: int
     num_queries: int
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
     plans: dict = field(default_factory=dict)
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool):
@@ -157,15 +203,26 @@ class CudnnFlexTreeMask:
         shape = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.dtype)
         found = self.plans.get((*shape, True)) or (None if backward else self.plans.get((*shape, False)))
         if found is None:
-            found = self.plans[(*shape, backward)] = create_mask_plan(self.intervals, q, k, v, build_backward=backward)
+            if self.cu_seqlens is None:
+                found = create_mask_plan(self.intervals, q, k, v, build_backward=backward)
+            else:  # THD [T, heads, d]
+                found = create_mask_plan(self.intervals, q[0], k[0], v[0], cu_seqlens_q=self.cu_seqlens,
+                                         cu_seqlens_k=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
+                                         max_seqlen_k=self.max_seqlen, build_backward=backward)
+            self.plans[(*shape, backward)] = found
         return found
 
 
 def cudnn_flex_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> CudnnFlexTreeMask:
-    """The cuDNN flex mask of a tree micro-batch: ``subtree_end`` int [T] or [1, T], ``query_slots`` int [Tq] or None."""
+    """The cuDNN flex mask of a tree micro-batch: ``subtree_end`` int [T] or [1, T], ``query_slots`` int [Tq] or None
+    (None: one varlen sequence per tree; query slots: one sequence). Two host syncs (the interval count, the longest
+    tree)."""
     end = _check_subtree_end(subtree_end)
-    intervals = tree_intervals(end, query_slots)
-    return CudnnFlexTreeMask(intervals, end.shape[0], intervals.shape[-1])
+    if query_slots is not None:
+        intervals = tree_intervals(end, query_slots)
+        return CudnnFlexTreeMask(intervals, end.shape[0], intervals.shape[-1])
+    cu = tree_segments(end)
+    return CudnnFlexTreeMask(segment_intervals(end, cu), end.shape[0], end.shape[0], cu, int(cu.diff().max()))
 
 
 def _flex(query, key, value, mask: CudnnFlexTreeMask, softmax_scale: float) -> torch.Tensor:
@@ -176,7 +233,9 @@ def _flex(query, key, value, mask: CudnnFlexTreeMask, softmax_scale: float) -> t
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BSHD views, last dim contiguous
     backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     plan = mask.plan(q, k, v, backward)
-    return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=softmax_scale).transpose(1, 2)
+    if mask.cu_seqlens is None:
+        return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=softmax_scale).transpose(1, 2)
+    return flex_attn_func(q[0], k[0], v[0], mask_plan=plan, softmax_scale=softmax_scale)[None].transpose(1, 2)
 
 
 def cudnn_flex_tree_attention(

@@ -3,7 +3,8 @@ Hopper / Blackwell GPU with nvidia-cudnn-frontend, the kernels against the dense
 
 The encoding is checked exactly: the intervals' dense mask equals :func:`dense_tree_mask` on random forests
 (chains, bushes, several trees, padding slots), with and without context-parallel query slots, and every row's
-endpoints are what the kernel accepts (in ``[0, T]``, nondecreasing). The GPU tests judge the kernels as a
+endpoints are what the kernel accepts (in ``[0, T]``, nondecreasing); so is the varlen encoding (one sequence per
+tree, each row's endpoints local to its sequence and within it). The GPU tests judge the kernels as a
 dense bf16 kernel is judged (within twice SDPA's own bf16 error of the fp32 reference on the same inputs).
 """
 
@@ -23,9 +24,11 @@ from megatron_tree.attention.cudnn_flex import (
     cudnn_flex_tree_mask,
     cudnn_flex_unavailable_reason,
     intervals_to_mask,
+    segment_intervals,
     tree_intervals,
+    tree_segments,
 )
-from megatron_tree.core.masks import dense_tree_mask
+from megatron_tree.core.masks import dense_tree_mask, tree_parents
 from megatron_tree.core.platform import have_transformer_engine
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
 
@@ -83,6 +86,62 @@ def test_encoding_of_packed_micro_batches():
             _check_encoding(end, torch.arange(end.shape[0] // 2, end.shape[0]))  # a chunk's queries behind context
 
 
+def _check_segments(end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t = end.shape[0]
+    cu = tree_segments(end)
+    roots = set(torch.nonzero(tree_parents(end) < 0).reshape(-1).tolist())
+    trees = {r for r in roots if end[r] - r > 1}  # one-slot trees (the padding among them) may share a segment
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == t and (cu.diff() > 0).all()
+    assert trees <= set(cu[:-1].tolist()) <= roots
+    local = segment_intervals(end, cu)
+    lengths = cu.diff().long()
+    length = torch.repeat_interleave(lengths, lengths)
+    f = local[0].long()
+    assert local.dtype == torch.int32 and local.shape == tree_intervals(end).shape
+    assert (f >= 0).all() and (f <= length).all() and (f.diff(dim=0) >= 0).all(), "endpoints not sorted in the segment"
+    assert torch.equal(intervals_to_mask(local, t, cu), dense_tree_mask(end))
+    return cu, local
+
+
+@pytest.mark.parametrize("p_extend", [0.3, 0.9])
+def test_one_varlen_sequence_per_tree_is_the_tree_mask(p_extend):
+    """The varlen encoding (the backend's for a whole micro-batch): a sequence starts at every tree of more than one
+    slot, a run of one-slot trees (the padding) shares one, and the local intervals give exactly the tree mask."""
+    for seed in range(20):
+        rng = random.Random(seed)
+        end = random_subtree_end(rng, rng.randint(1, 250), rng.randint(0, 9), p_extend)
+        _check_segments(end)
+    rng = np.random.default_rng(5)
+    seqs = grpo_batch(rng, n_prompts=3, samples=(2, 6), prompt_len=(20, 80), response_len=(1, 40), vocab=50)
+    for mb in pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=512), pad_to_multiple_of=64):
+        _check_segments(mb.attention_mask[0])
+
+
+def test_varlen_sequences_by_hand():
+    """A prompt with three samples (slots 0-8), a second tree (9-11), two padding slots: three sequences; tree 2's
+    rows see keys counted from its own slot 9; the padding rows see themselves."""
+    end = torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9, 12, 11, 12, 13, 14], dtype=torch.int32)
+    cu, local = _check_segments(end)
+    assert cu.tolist() == [0, 9, 12, 14]
+    f = local[0]
+    assert f[:, 6].tolist() == [0, 0, 3, 5, 7]  # slot 6: [0, 3) U [5, 7)
+    assert f[:, 11].tolist() == [0, 0, 1, 2, 3]  # slot 11: [0, 1) U [2, 3) of its sequence (slots 9, 11)
+    assert f[:, 13].tolist() == [0, 0, 0, 1, 2]  # slot 13: [1, 2) of its sequence (slots 12, 13)
+    mask = cudnn_flex_tree_mask(end)
+    assert torch.equal(mask.cu_seqlens, cu) and mask.max_seqlen == 9 and torch.equal(mask.intervals, local)
+    assert mask.cu_seqlens is not None and cudnn_flex_tree_mask(end, torch.arange(7, 14)).cu_seqlens is None
+
+
+def test_a_wrong_varlen_encoding_is_seen():
+    """The comparison can fail: the whole micro-batch's intervals (not made local) read per sequence hide tree 2's
+    keys; a sequence cut inside a tree hides the keys before the cut."""
+    end = torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9, 12, 11, 12, 13, 14], dtype=torch.int32)
+    cu = tree_segments(end)
+    assert not torch.equal(intervals_to_mask(tree_intervals(end), 14, cu), dense_tree_mask(end))
+    cut = torch.tensor([0, 5, 12, 14], dtype=torch.int32)
+    assert not torch.equal(intervals_to_mask(segment_intervals(end, cut), 14, cut), dense_tree_mask(end))
+
+
 def test_a_wrong_encoding_is_seen():
     """The comparison can fail: dropping a row's outer run leaves its prompt invisible."""
     end = torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9], dtype=torch.int32)
@@ -94,28 +153,34 @@ def test_a_wrong_encoding_is_seen():
 def test_mask_plans_are_built_once_per_shape_and_kind(monkeypatch):
     """One cuDNN mask plan per (heads, head dims, dtype) and micro-batch, shared by the layers: a forward-only plan is
     built when no backward is needed (activation recompute's first forward, log-prob passes), one with backward
-    payloads when it is, and that one then serves forward-only calls too."""
+    payloads when it is, and that one then serves forward-only calls too. A whole micro-batch's plan is the varlen
+    one (THD tensors, one sequence per tree); query slots' is one BSHD sequence."""
     import sys
     import types
 
     built = []
 
-    def create_mask_plan(intervals, q, k, v, *, build_backward):
-        built.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), build_backward))
+    def create_mask_plan(intervals, q, k, v, *, build_backward, **varlen):
+        built.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), build_backward, varlen))
         return f"plan{len(built)}"
 
     fake = types.ModuleType("cudnn.flex_attention")
     fake.create_mask_plan = create_mask_plan
     monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
     monkeypatch.setitem(sys.modules, "cudnn.flex_attention", fake)
-    mask = cudnn_flex_tree_mask(torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9], dtype=torch.int32))
+    end = torch.tensor([9, 9, 9, 5, 5, 7, 7, 9, 9], dtype=torch.int32)
+    mask = cudnn_flex_tree_mask(end)
     q, k, v = torch.zeros(1, 9, 8, 64), torch.zeros(1, 9, 2, 64), torch.zeros(1, 9, 2, 64)
     assert [mask.plan(q, k, v, False) for _ in range(3)] == ["plan1"] * 3
     assert [mask.plan(q, k, v, True) for _ in range(2)] == ["plan2"] * 2
     assert mask.plan(q, k, v, False) == "plan2"
     assert mask.plan(q[..., :4, :], k[..., :1, :], v[..., :1, :], True) == "plan3"  # another head layout
     assert mask.plan(q.bfloat16(), k.bfloat16(), v.bfloat16(), False) == "plan4"
-    assert [b[-1] for b in built] == [False, True, True, False]
+    assert [b[3] for b in built] == [False, True, True, False]
+    assert built[0][:3] == ((9, 8, 64), (9, 2, 64), (9, 2, 64))  # THD
+    assert built[0][4]["cu_seqlens_q"].tolist() == [0, 9] and built[0][4]["max_seqlen_k"] == 9
+    chunk = cudnn_flex_tree_mask(end, torch.arange(4, 9))
+    assert chunk.plan(q[:, 4:], k, v, True) == "plan5" and built[-1][0] == (1, 5, 8, 64) and built[-1][4] == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -147,12 +212,23 @@ def requires_cudnn_flex(test):
 
 
 
+def _many_trees() -> torch.Tensor:
+    """A micro-batch of eight small GRPO trees (varlen sequences of 40-300 slots, none a multiple of 128) and padding
+    to a multiple of 128 (one more sequence of one-slot trees), on the GPU."""
+    rng = np.random.default_rng(11)
+    seqs = grpo_batch(rng, n_prompts=8, samples=(1, 4), prompt_len=(30, 150), response_len=(1, 60), vocab=1000)
+    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=3000), pad_to_multiple_of=128)[0]
+    end = mb.attention_mask[0]
+    assert len(tree_segments(end)) - 1 > 8 and end.shape[0] > mb.num_tokens
+    return end.cuda()
+
+
 @requires_cudnn_flex
-@pytest.mark.parametrize("kind", ["grpo", "multi_turn"])
+@pytest.mark.parametrize("kind", ["grpo", "multi_turn", "many_trees"])
 @pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (8, 8, 64)])
 @pytest.mark.parametrize("query_slots", [False, True])
 def test_cudnn_flex_matches_dense_reference(kind, heads, kv_heads, d, query_slots):
-    end = gpu_tree(kind)
+    end = _many_trees() if kind == "many_trees" else gpu_tree(kind)
     t = end.shape[0]
     slots = None
     if query_slots:

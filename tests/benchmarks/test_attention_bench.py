@@ -74,42 +74,12 @@ def test_tile_layouts_relayout():
                     assert np.all(np.diff(kids) <= 0)
 
 
-def test_per_tree_segments_and_their_local_intervals_are_the_tree_mask():
-    """attention_bench.tree_segments / segment_intervals (cuDNN flex's varlen call, one THD sequence per tree): the
-    segments start at every tree and hold the padding in one; the local intervals, each row's keys offset by its
-    segment's first slot, are sorted endpoints within the segment and give exactly the dense tree mask."""
-    import random
-
-    from attention_bench import segment_intervals, tree_segments
-    from forests import random_subtree_end
-    from megatron_tree.core.masks import dense_tree_mask, tree_parents
-
-    for seed in range(6):
-        end = random_subtree_end(random.Random(seed), 300, num_pad=seed * 7, p_extend=0.9)
-        t = end.shape[0]
-        cu = tree_segments(end)
-        roots = set(torch.nonzero(tree_parents(end) < 0).reshape(-1).tolist())
-        trees = {r for r in roots if end[r] - r > 1}  # one-slot trees (the padding among them) may share a segment
-        assert cu[0] == 0 and cu[-1] == t and cu.dtype == torch.int32
-        assert trees <= set(cu[:-1].tolist()) <= roots and len(cu) - 1 <= len(roots) - (seed > 0) * 6
-        local = segment_intervals(end, cu)[0].long()  # [2M - 1, T]
-        first = torch.repeat_interleave(cu[:-1].long(), cu.diff().long())
-        length = torch.repeat_interleave(cu.diff().long(), cu.diff().long())
-        assert (local >= 0).all() and (local.diff(dim=0) >= 0).all() and (local <= length).all()  # sorted, in the segment
-        keys = torch.arange(t)[None, :] - first[:, None]  # each key's local index in the row's segment
-        bounds = torch.cat([torch.zeros(1, t, dtype=torch.long), local])  # [0, F0), [F1, F2), ...
-        visible = torch.zeros(t, t, dtype=torch.bool)
-        for lo, hi in zip(bounds[0::2], bounds[1::2]):
-            visible |= (keys >= lo[:, None]) & (keys < hi[:, None])
-        visible &= (keys >= 0) & (keys < length[:, None])
-        assert torch.equal(visible, dense_tree_mask(end)), seed
-
-
 def test_segment_tile_ceiling_counts_each_tree_from_its_own_tile():
     """One chain is one segment: the ceiling of the packed layout. The bench's 32k GRPO micro-batch (two trees and the
     padding), tiled per tree: 0.930 against 0.913 packed (docs/results.md). Tiling per tree is not always better: each
     segment's ragged last tile is a tile of its own."""
-    from attention_bench import SLOTS, fullest_micro_batch, segment_tile_ceiling, tree_segments, workloads
+    from attention_bench import SLOTS, fullest_micro_batch, segment_tile_ceiling, workloads
+    from megatron_tree.attention.cudnn_flex import tree_segments
     from megatron_tree.core.flops import micro_batch_work
 
     one = torch.full((512,), 512, dtype=torch.int32)
