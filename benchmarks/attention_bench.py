@@ -18,7 +18,7 @@ head dim 128, batch 1. Methods, each timed forward and forward + backward with C
   cudnn_flex_tree  cuDNN frontend's interval-mask flex attention (``megatron_tree.attention.cudnn_flex``, raw:
                 no PROVEN table): its varlen call, each tree of the micro-batch one THD sequence (tiled from its own
                 first slot), each query's root path as intervals local to its tree (needs nvidia-cudnn-frontend and a
-                Hopper/Blackwell GPU; the segments, intervals and mask plan build time is reported apart,
+                Hopper/Blackwell GPU; timed on Megatron's token-major q / k / v; the segments, intervals and mask plan build time is reported apart,
                 ``cudnn_flex_mask_build_ms``, once per micro-batch for all layers, next to the tile ceiling of the
                 per-tree tiling, ``cudnn_flex_tile_ceiling``)
   dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
@@ -366,8 +366,11 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
 
         cudnn_prepare()  # compiles the plan kernels
         row["cudnn_flex_mask_build_ms"] = wall_time(cudnn_prepare, 1, args.iters)
+        # On Megatron's token-major q / k / v (what tree_attention passes: [s, b, h, d] memory seen as [b, h, s, d]),
+        # so the kernels' THD views are contiguous
+        tm = [x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_() for x in (q, k, v)]
         times["cudnn_flex_tree"] = time_fwd_bwd(
-            lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5), [q, k, v], g, args)
+            lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5), tm, g, args)
         print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_segments']} sequences, "
               f"{row['cudnn_flex_intervals']} intervals, mask build {row['cudnn_flex_mask_build_ms']:.2f} ms, tile "
               f"ceiling {row['cudnn_flex_tile_ceiling']:.3f})", flush=True)
