@@ -63,17 +63,23 @@ __all__ = [
 CUDNN_FRONTEND_VERSION = "1.32.0"
 """The ``nvidia-cudnn-frontend`` release this module is written against (its API is new and still moving)."""
 
-PROVEN = ProvenShapes.grid(
-    head_dims=(64, 128), gqa_ratios=(1, 2, 4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
-    evidence="benchmarks/results/te/conformance_cudnn_flex.json (nvidia-cudnn-frontend 1.32.0, H200, torch 2.11): raw "
-    "kernels on the GRPO and deep multi-turn trees and context-parallel query slots, out / dQ / dK / dV at most 1.48x "
-    "dense bf16's error against the fp64 reference (the rule: 2x)",
+_PROVEN_EVIDENCE = (
+    "nvidia-cudnn-frontend 1.32.0, torch 2.11, out / dQ / dK / dV against the dense fp64 reference (the rule: 2x dense "
+    "bf16's error): one varlen sequence per tree on an H100, benchmarks/results/te/conformance_cudnn_flex_per_tree_h100."
+    "json (GRPO tree, raw kernels, at most 1.46x) and te/cudnn_flex_tests_per_tree_h100.txt (GRPO, multi-turn and "
+    "eight-tree micro-batches with padding, 16/8 heads d 128 and 8/8 d 64); context-parallel query slots (one sequence) "
+    "on an H200, te/conformance_cudnn_flex.json (at most 1.48x)"
 )
-"""Where the kernels of :data:`CUDNN_FRONTEND_VERSION` were proven exact (forward and backward against the dense
-fp64 reference, :mod:`megatron_tree.attention.conformance`): bf16 on Hopper, head dims 64 / 128, MHA and GQA 2:1, 4:1,
-8:1. Every other call (other head dims or GQA ratios, fp16, a v head dim of its own, other GPU generations) is
-refused. ``auto`` does not pick it: per call 3-7% faster than FA4 on an H100, but its mask plan costs 2-4 ms per
-micro-batch and the whole tree step was 1.8% faster on GRPO and 11% slower on multi-turn trees (docs/results.md)."""
+PROVEN = ProvenShapes.grid(head_dims=(64,), gqa_ratios=(1, 2, 4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
+                           evidence=_PROVEN_EVIDENCE) | ProvenShapes.grid(
+    head_dims=(128,), gqa_ratios=(1, 2), dtypes=(torch.bfloat16,), devices=("sm90",), evidence="the same runs")
+"""Where the kernels of :data:`CUDNN_FRONTEND_VERSION` were proven exact, in both of this module's calls (one varlen
+sequence per tree; query slots as one sequence) (forward and backward against the dense fp64 reference,
+:mod:`megatron_tree.attention.conformance`): bf16 on Hopper, head dim 64 with MHA and GQA 2:1, 4:1, 8:1, head dim 128
+with MHA and GQA 2:1. Every other call (d 128 with GQA 4:1 or 8:1 until the varlen call is compared there, other head
+dims, fp16, a v head dim of its own, other GPU generations) is refused. ``auto`` does not pick it: per call faster than
+FA4 on an H100, but its mask plan costs 2-4 ms per micro-batch and the whole tree step was 1.8% faster on GRPO and 11%
+slower on multi-turn trees (docs/results.md, measured with one sequence per micro-batch)."""
 
 
 def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
