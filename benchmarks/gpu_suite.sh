@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # The README's test command on the one-GPU device host, in parts that each fit one device call (600 s at most): the two
-# passes of tests/two_pass.py run by hand, pass 1 with CUDA hidden, pass 2 the GPU tests with CUDA visible.
+# passes of tests/two_pass.py run by hand, pass 1 with CUDA hidden, pass 2 the GPU tests with CUDA visible (kernel
+# compilation makes them slow: 27 of tests/attention's 54 took 570 s on an H100).
 # Run after FA4's staging (benchmarks/fa4_stage.sh unpack-a, unpack-b), with .te and .whl carried:
 #   PART=1a   pass 1 on tests/mcore and tests/train          PART=1b   pass 1 on every other test
-#   PART=2a   pass 2 on tests/attention                       PART=2b   pass 2 on every other test
-# Logs under $OUT (default benchmarks/results/te): suite_pass<PART>_<gpu>.txt; prints pytest's summary lines.
+#   PART=2a   pass 2: attention dispatch and conformance     PART=2b   pass 2: chunk context, cudnn_flex
+#   PART=2c   pass 2: FA4                                    PART=2d   pass 2: FlexAttention, sliding windows
+#   PART=2e   pass 2 on every test outside tests/attention
+# Logs under $OUT (default benchmarks/results/te): suite_pass<PART>_<gpu>.txt, each test's name and result and the
+# durations (a part cut by its limit still says which tests ran); prints pytest's summary lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${PART:-}" in 1a|1b|2a|2b) ;; *) echo "gpu_suite.sh: set PART to 1a, 1b, 2a or 2b (got '${PART:-}')" >&2; exit 2 ;; esac
+case "${PART:-}" in 1a|1b|2a|2b|2c|2d|2e) ;; *) echo "gpu_suite.sh: set PART to 1a, 1b, 2a, 2b, 2c, 2d or 2e (got '${PART:-}')" >&2; exit 2 ;; esac
 . benchmarks/gpu_host_env.sh
-heavy="tests/mcore tests/train"
-rest=$(ls -d tests/*/ tests/test_*.py | grep -v -E "^tests/(mcore|train|cpu_pass|scripts)/?$")
+a=tests/attention
+pass1() { CUDA_VISIBLE_DEVICES="" timeout 570 python3 -m pytest -q -p no:cacheprovider "$@"; }
+pass2() { MEGATRON_TREE_GPU_PASS=1 timeout 570 python3 -m pytest -v --durations=0 -p no:cacheprovider -m gpu "$@"; }
 case "$PART" in
-1a) CUDA_VISIBLE_DEVICES="" timeout 570 python3 -m pytest -q -p no:cacheprovider $heavy ;;
-1b) CUDA_VISIBLE_DEVICES="" timeout 570 python3 -m pytest -q -p no:cacheprovider $rest ;;
-2a) MEGATRON_TREE_GPU_PASS=1 timeout 570 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention ;;
-2b) MEGATRON_TREE_GPU_PASS=1 timeout 570 python3 -m pytest -q -p no:cacheprovider -m gpu \
-      $(ls -d tests/*/ tests/test_*.py | grep -v -E "^tests/(attention|cpu_pass|scripts)/?$") ;;
+1a) pass1 tests/mcore tests/train ;;
+1b) pass1 $(ls -d tests/*/ tests/test_*.py | grep -v -E "^tests/(mcore|train|cpu_pass|scripts)/?$") ;;
+2a) pass2 $a/test_attention.py $a/test_attention_conformance.py ;;
+2b) pass2 $a/test_chunk_context.py $a/test_cudnn_flex.py ;;
+2c) pass2 $a/test_fa4_attention.py $a/test_fa4_warmup.py ;;
+2d) pass2 $(ls $a/test_*.py | grep -v -E "test_(attention|attention_conformance|chunk_context|cudnn_flex|fa4_attention|fa4_warmup)\.py$") ;;
+2e) pass2 $(ls -d tests/*/ tests/test_*.py | grep -v -E "^tests/(attention|cpu_pass|scripts)/?$") ;;
 esac > "$OUT/suite_pass${PART}_$tag.txt" 2>&1
 echo "rc=$? (124: cut by the 570 s limit)"
 grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/suite_pass${PART}_$tag.txt" | tail -25
