@@ -9,9 +9,14 @@
 #   PART=e2e bash benchmarks/gpu_fa4.sh      # long-context multi-turn (trajectories up to ~50k) end to end, 0.6B:
 #                                            # TE THD flat vs tree with FA4, then tree with FlexAttention
 #   PART=cudnn bash benchmarks/gpu_fa4.sh    # cuDNN frontend's flex kernels (the cudnn_flex backend, same CuTe DSL;
-#                                            # nvidia-cudnn-frontend comes with TE's wheels in .te/): its GPU tests,
-#                                            # the raw conformance grid (evidence for cudnn_flex.PROVEN), and
-#                                            # attention_bench with FA4, cuDNN flex and causal cuDNN in one run
+#                                            # nvidia-cudnn-frontend comes with TE's wheels in .te/): its GPU tests and
+#                                            # the raw conformance grid of its proven dtype (bf16) on head dims 64 / 128,
+#                                            # GQA 1-8:1 (evidence for cudnn_flex.PROVEN; each new shape compiles
+#                                            # its varlen kernels: a few seconds per row on a fresh host)
+#   PART=cudnn_speed bash benchmarks/gpu_fa4.sh  # attention_bench with FA4, cuDNN flex (on Megatron's token-major
+#                                            # q / k / v) and causal cuDNN in one run (GRPO, multi-turn, 128k), then
+#                                            # the 0.6B shape's tree step with cudnn_flex against FA4 (should auto
+#                                            # pick cudnn_flex?)
 # Outputs under $OUT (default benchmarks/results/te).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,14 +39,22 @@ if [ "${PART:-kernel}" = kernel ]; then
   timeout 200 torchrun --nproc-per-node 1 tests/scripts/schedule_parity.py --ckpt /tmp/ck_b1 --bf16 2>&1 \
     | grep -E "BF16|bf16:|Error|error:" | grep -v -i warn | tee -a "$OUT/fa4_bf16_step.txt"
 elif [ "$PART" = cudnn ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_cudnn_flex.py 2>&1 \
-    | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests.txt"
-  timeout 300 python3 -m megatron_tree.attention.conformance --backends cudnn_flex --modes raw --dtypes bf16 fp16 \
-    --head-dims 64 96 128 192/128 256 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex.json" 2>&1 \
-    | grep -v -i warn | tee "$OUT/conformance_cudnn_flex.txt" | tail -3
-  timeout 400 python3 benchmarks/attention_bench.py --out "$OUT" --tag h200_cudnn --variants --skip-dense --iters 10 \
-    --warmup 3 --workloads grpo multi_turn long_multi_turn no_sharing > "$OUT/attention_cudnn.log" 2>&1
-  grep -v -i warn "$OUT/attention_cudnn.log" | tail -34 | tee "$OUT/attention_cudnn.txt"
+  g=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_cudnn_flex.py 2>&1 \
+    | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests_$g.txt"
+  timeout 400 python3 -m megatron_tree.attention.conformance --backends cudnn_flex --modes raw --dtypes bf16 \
+    --head-dims 64 128 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex_$g.json" 2>&1 \
+    | grep -v -i warn | grep -v "^Compiled" | tee "$OUT/conformance_cudnn_flex_$g.txt" | tail -3
+elif [ "$PART" = cudnn_speed ]; then
+  g=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
+  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${g}_cudnn" --variants --skip-dense --iters 10 \
+    --warmup 3 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_cudnn_$g.log" 2>&1
+  grep -v -i warn "$OUT/attention_cudnn_$g.log" | grep -E "^(grpo|multi|long)" | tee "$OUT/attention_cudnn_$g.txt"
+  for b in cudnn_flex fa4; do
+    timeout 120 python3 benchmarks/e2e_bench.py --model qwen3-0.6b --workloads grpo,multi_turn --modes tree \
+      --attention-backend $b --warmup 2 --steps 5 --no-profile --out "$OUT/e2e_tree_${b}_$g.json" 2>&1 \
+      | grep -E "^qwen3|Error|error" | tee -a "$OUT/e2e_tree_backends_$g.txt"
+  done
 else
   common="--model qwen3-0.6b --workloads long_multi_turn --max-tokens-per-mb 65536 --recompute full --warmup 1 --steps 2 --no-profile"
   timeout 420 python3 benchmarks/e2e_bench.py $common --attention-backend auto --out "$OUT/e2e_long_fa4.json" 2>&1 \
