@@ -17,10 +17,10 @@ head dim 128, batch 1. Methods, each timed forward and forward + backward with C
                 is reported apart, ``fa4_mask_build_ms``, once per micro-batch for all layers)
   cudnn_flex_tree  cuDNN frontend's interval-mask flex attention (``megatron_tree.attention.cudnn_flex``, raw:
                 no PROVEN table): its varlen call, each tree of the micro-batch one THD sequence (tiled from its own
-                first slot), each query's root path as intervals local to its tree (needs nvidia-cudnn-frontend and a
-                Hopper/Blackwell GPU; timed on Megatron's token-major q / k / v; the segments, intervals and mask plan build time is reported apart,
-                ``cudnn_flex_mask_build_ms``, once per micro-batch for all layers, next to the tile ceiling of the
-                per-tree tiling, ``cudnn_flex_tile_ceiling``)
+                first slot), each query's root path as intervals local to its tree, timed on Megatron's token-major
+                q / k / v (needs nvidia-cudnn-frontend and a Hopper/Blackwell GPU; the segments, intervals and mask
+                plan build time is reported apart, ``cudnn_flex_mask_build_ms``, once per micro-batch for all layers,
+                next to the tile ceiling of the per-tree tiling, ``cudnn_flex_tile_ceiling``)
   dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
   causal_flash  SDPA flash backend, causal over all T slots (the per-pair reference)
   causal_cudnn  SDPA cuDNN backend, causal over all T slots

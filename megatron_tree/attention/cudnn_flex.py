@@ -16,12 +16,12 @@ Each tree is its own sequence: a micro-batch's trees (every slot a query) go to 
 sequence per tree (:func:`tree_segments`; a run of one-slot trees such as the padding is one more), with the intervals
 local to each sequence (:func:`segment_intervals`). A varlen kernel tiles each sequence from its own first slot, so no
 tree's rows visit a tile it shares with the tree before it (on the 32k GRPO micro-batch of ``attention_bench.py``
-1,026 -> 896 partly masked tiles). Query rows other than the slots (context parallel, a chunk behind its context) are
+1,026 -> 897 partly masked tiles, tile ceiling 0.913 -> 0.930). Query rows other than the slots (context parallel, a chunk behind its context) are
 one sequence.
 
 The kernels are the ``nvidia-cudnn-frontend`` package's (pinned to :data:`CUDNN_FRONTEND_VERSION`; they are
 CuTe DSL kernels, like FlashAttention-4's, with a persistent compile cache): a *mask plan* classifies the
-(query, key) tiles once per micro-batch and attention shape (``create_mask_plan``; one host sync) and materialises
+(query, key) tiles once per micro-batch and attention shape (``create_mask_plan``; host syncs) and materialises
 the mask of the partial ones; full tiles skip the mask, empty tiles are never loaded; forward and backward read the
 same plan. Plans are built on first use per (head counts, head dims, dtype, backward) and
 kept in the :class:`CudnnFlexTreeMask`, so the layers of a model share one.
