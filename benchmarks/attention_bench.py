@@ -184,6 +184,12 @@ def time_fwd_bwd(attn, inputs: list[torch.Tensor], grad_out: torch.Tensor, args)
     }
 
 
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``x`` [b, h, s, d] laid out as Megatron's [s, b, h, d] tensors are (what ``tree_attention``
+    passes its backend: those permuted to [b, h, s, d]), same values and shape."""
+    return x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+
 def leaf(shape, dtype, device, gen) -> torch.Tensor:
     return torch.randn(shape, device=device, dtype=torch.float32, generator=gen).to(dtype).requires_grad_()
 
@@ -218,7 +224,7 @@ def fa4_tree_step(seqs: list[np.ndarray], slots: int, dev, token_major: bool = F
     end = fullest_micro_batch(seqs, slots).attention_mask[0].to(device=dev, dtype=torch.int32)
     q, k, v, g = bf16_inputs(end.shape[0], dev, gen)
     if token_major:
-        q, k, v = (x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_() for x in (q, k, v))
+        q, k, v = (token_major(x).requires_grad_() for x in (q, k, v))
     mask = fa4_tree_mask(end)
 
     def step():
@@ -366,11 +372,10 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
 
         cudnn_prepare()  # compiles the plan kernels
         row["cudnn_flex_mask_build_ms"] = wall_time(cudnn_prepare, 1, args.iters)
-        # On Megatron's token-major q / k / v (what tree_attention passes: [s, b, h, d] memory seen as [b, h, s, d]),
-        # so the kernels' THD views are contiguous
-        tm = [x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_() for x in (q, k, v)]
+        # On Megatron's token-major q / k / v and output gradient (the kernels' THD views contiguous, as in training)
         times["cudnn_flex_tree"] = time_fwd_bwd(
-            lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5), tm, g, args)
+            lambda q, k, v: cudnn_flex._flex(q, k, v, cudnn_mask, HEAD_DIM ** -0.5),
+            [token_major(x).requires_grad_() for x in (q, k, v)], token_major(g), args)
         print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_segments']} sequences, "
               f"{row['cudnn_flex_intervals']} intervals, mask build {row['cudnn_flex_mask_build_ms']:.2f} ms, tile "
               f"ceiling {row['cudnn_flex_tile_ceiling']:.3f})", flush=True)

@@ -90,3 +90,14 @@ def test_segment_tile_ceiling_counts_each_tree_from_its_own_tile():
     assert len(cu) == 4 and cu[-2] == mb.num_tokens  # two trees, then the padding
     pairs = micro_batch_work(mb)[1]
     assert (round(_ceiling(end, 128), 3), round(segment_tile_ceiling(end, cu, pairs), 3)) == (0.913, 0.930)
+
+
+def test_token_major_is_megatrons_layout():
+    """The bench feeds cuDNN flex Megatron's layout: the same values, and the backend's THD view ([b, s, h, d] -> [s, h,
+    d]) contiguous, as in training (head-major tensors give a strided view the kernels run slower on)."""
+    from attention_bench import token_major
+
+    x = torch.randn(1, 4, 10, 8, requires_grad=True)
+    y = token_major(x)
+    assert torch.equal(x, y) and not y.requires_grad and y.transpose(1, 2)[0].is_contiguous()
+    assert not x.transpose(1, 2)[0].is_contiguous()
