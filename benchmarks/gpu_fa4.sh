@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The FA4 tree attention backend on the GPU host (after benchmarks/fa4_stage.sh unpack-a / unpack-b; TE carried).
+# The FA4 tree attention backend on the GPU host (after benchmarks/fa4_stage.sh unpack-a / unpack-b; .te and .whl carried).
 #
 #   PART=kernel bash benchmarks/gpu_fa4.sh   # GPU tests, attention_bench (4 workloads, TE THD and cuDNN refs),
 #                                            # fa4_kernel_profile (the kernels of one tree call),
@@ -20,11 +20,8 @@
 # Outputs under $OUT (default benchmarks/results/te).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/te}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
+. benchmarks/gpu_host_env.sh
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # compiled kernels reused across the processes below
-python3 -c "import transformer_engine" 2>/dev/null || bash .te/te-setup.sh 2>&1 | tail -1
 python3 -c "from megatron_tree.attention.fa4 import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
 if [ "${PART:-kernel}" = kernel ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_fa4_attention.py 2>&1 \
@@ -39,21 +36,19 @@ if [ "${PART:-kernel}" = kernel ]; then
   timeout 200 torchrun --nproc-per-node 1 tests/scripts/schedule_parity.py --ckpt /tmp/ck_b1 --bf16 2>&1 \
     | grep -E "BF16|bf16:|Error|error:" | grep -v -i warn | tee -a "$OUT/fa4_bf16_step.txt"
 elif [ "$PART" = cudnn ]; then
-  g=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_cudnn_flex.py 2>&1 \
-    | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests_$g.txt"
+    | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests_$tag.txt"
   timeout 400 python3 -m megatron_tree.attention.conformance --backends cudnn_flex --modes raw --dtypes bf16 \
-    --head-dims 64 128 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex_$g.json" 2>&1 \
-    | grep -v -i warn | grep -v "^Compiled" | tee "$OUT/conformance_cudnn_flex_$g.txt" | tail -3
+    --head-dims 64 128 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex_$tag.json" 2>&1 \
+    | grep -v -i warn | grep -v "^Compiled" | tee "$OUT/conformance_cudnn_flex_$tag.txt" | tail -3
 elif [ "$PART" = cudnn_speed ]; then
-  g=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
-  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${g}_cudnn" --variants --skip-dense --iters 10 \
-    --warmup 3 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_cudnn_$g.log" 2>&1
-  grep -v -i warn "$OUT/attention_cudnn_$g.log" | grep -E "^(grpo|multi|long)" | tee "$OUT/attention_cudnn_$g.txt"
+  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_cudnn" --variants --skip-dense --iters 10 \
+    --warmup 3 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_cudnn_$tag.log" 2>&1
+  grep -v -i warn "$OUT/attention_cudnn_$tag.log" | grep -E "^(grpo|multi|long)" | tee "$OUT/attention_cudnn_$tag.txt"
   for b in cudnn_flex fa4; do
     timeout 120 python3 benchmarks/e2e_bench.py --model qwen3-0.6b --workloads grpo,multi_turn --modes tree \
-      --attention-backend $b --warmup 2 --steps 5 --no-profile --out "$OUT/e2e_tree_${b}_$g.json" 2>&1 \
-      | grep -E "^qwen3|Error|error" | tee -a "$OUT/e2e_tree_backends_$g.txt"
+      --attention-backend $b --warmup 2 --steps 5 --no-profile --out "$OUT/e2e_tree_${b}_$tag.json" 2>&1 \
+      | grep -E "^qwen3|Error|error" | tee -a "$OUT/e2e_tree_backends_$tag.txt"
   done
 else
   common="--model qwen3-0.6b --workloads long_multi_turn --max-tokens-per-mb 65536 --recompute full --warmup 1 --steps 2 --no-profile"

@@ -8,7 +8,7 @@
 #   PART=spread   where the multi-turn steps' spread comes from: both modes with 4 profiled steps each (wall, device-busy
 #                 and kernel time per step) and the caching allocator's cudaMalloc calls and retries per step; the tree
 #                 alone at learning rate 0 (the router's choices fixed); both modes with PyTorch's expandable segments
-#   PART=attention  benchmarks/attention_bench.py alone on the GRPO and multi-turn trees (with cuDNN flex per tree)
+#   PART=attention  benchmarks/attention_bench.py alone on the GRPO and multi-turn trees (FA4, cuDNN flex, causal cuDNN)
 #   PART=rest     the no-sharing step (flat at 16k tokens: at 32k it ran out of memory after another workload in the
 #                 same process; not tried alone), then
 #                 benchmarks/attention_bench.py on the GRPO and multi-turn trees (FA4, cuDNN's flex, causal cuDNN)
@@ -44,7 +44,7 @@ spread)
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step e2e_moe_multi_turn_mb32k_spread_expandable 1 multi_turn 32768 \
     --profile-steps 4
   python3 benchmarks/step_spread.py "$OUT"/e2e_moe_multi_turn_mb32k_spread*_"$tag".json ;;
-attention)  # the attention bench alone: FA4, cuDNN flex over the slots and per tree (varlen), causal cuDNN
+attention)  # the attention bench alone
   timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_per_tree" --workloads grpo multi_turn --variants \
     --skip-dense > "$OUT/attention_${tag}_per_tree.log" 2>&1
   grep -E "cudnn_flex|fa4_tree|causal_cudnn|Error" "$OUT/attention_${tag}_per_tree.log" | tail -20 ;;
