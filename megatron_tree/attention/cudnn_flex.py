@@ -146,12 +146,21 @@ def tree_segments(subtree_end: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, first.new_tensor([t])]).to(torch.int32)
 
 
+def _row_segments(cu_seqlens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, length)`` int64 [rows]: the first slot and the length of each row's segment of ``cu_seqlens``
+    (``rows`` = its last entry, T)."""
+    lengths = cu_seqlens.diff().long()
+    return (torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=rows),
+            torch.repeat_interleave(lengths, lengths, output_size=rows))
+
+
 def segment_intervals(subtree_end: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """:func:`tree_intervals`' endpoints ``[1, 2M - 1, T]`` made local to each row's segment of ``cu_seqlens``
     (:func:`tree_segments`): its first slot subtracted, the empty leading intervals ``[0, 0)`` left at 0. Row r of
     segment s sees the segment's keys ``[0, F[0, 0, r])`` and ``[F[0, 2u - 1, r], F[0, 2u, r])``."""
-    first = torch.repeat_interleave(cu_seqlens[:-1].long(), cu_seqlens.diff().long())
-    return (tree_intervals(subtree_end) - first.to(torch.int32)).clamp_min(0).to(torch.int32).contiguous()
+    intervals = tree_intervals(subtree_end)
+    first = _row_segments(cu_seqlens, intervals.shape[-1])[0]
+    return (intervals - first.to(torch.int32)).clamp_min(0).to(torch.int32).contiguous()
 
 
 def intervals_to_mask(intervals: torch.Tensor, num_slots: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,10 +172,9 @@ def intervals_to_mask(intervals: torch.Tensor, num_slots: int, cu_seqlens: torch
     if cu_seqlens is None:
         key_local, inside = key, True
     else:
-        lengths = cu_seqlens.diff().long()
-        first = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)[None, :, None]
+        first, length = (x[None, :, None] for x in _row_segments(cu_seqlens, f.shape[1]))
         key_local = key - first
-        inside = (key_local >= 0) & (key_local < torch.repeat_interleave(lengths, lengths)[None, :, None])
+        inside = (key_local >= 0) & (key_local < length)
     begin = torch.cat([torch.zeros_like(f[:1]), f[1::2]])  # [M, Tq]
     finish = f[0::2]
     return ((key_local >= begin[..., None]) & (key_local < finish[..., None]) & inside).any(0)
