@@ -16,7 +16,8 @@
 #   PART=cudnn_speed bash benchmarks/gpu_fa4.sh  # attention_bench with FA4, cuDNN flex (on Megatron's token-major
 #                                            # q / k / v) and causal cuDNN in one run (GRPO, multi-turn, 128k), then
 #                                            # the 0.6B shape's tree step with cudnn_flex against FA4 (should auto
-#                                            # pick cudnn_flex?)
+#                                            # pick cudnn_flex?), each with a profiled step (cudnn_flex also a
+#                                            # cProfile'd one); files *_backend*
 # Outputs under $OUT (default benchmarks/results/te).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,18 +38,19 @@ if [ "${PART:-kernel}" = kernel ]; then
     | grep -E "BF16|bf16:|Error|error:" | grep -v -i warn | tee -a "$OUT/fa4_bf16_step.txt"
 elif [ "$PART" = cudnn ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_cudnn_flex.py 2>&1 \
-    | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests_$tag.txt"
+    | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests_per_tree_$tag.txt"
   timeout 400 python3 -m megatron_tree.attention.conformance --backends cudnn_flex --modes raw --dtypes bf16 \
-    --head-dims 64 128 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex_$tag.json" 2>&1 \
-    | grep -v -i warn | grep -v "^Compiled" | tee "$OUT/conformance_cudnn_flex_$tag.txt" | tail -3
+    --head-dims 64 128 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex_per_tree_$tag.json" 2>&1 \
+    | grep -v -i warn | grep -v "^Compiled" | tee "$OUT/conformance_cudnn_flex_per_tree_$tag.txt" | tail -3
 elif [ "$PART" = cudnn_speed ]; then
-  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_cudnn" --variants --skip-dense --iters 10 \
-    --warmup 3 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_cudnn_$tag.log" 2>&1
-  grep -v -i warn "$OUT/attention_cudnn_$tag.log" | grep -E "^(grpo|multi|long)" | tee "$OUT/attention_cudnn_$tag.txt"
-  for b in cudnn_flex fa4; do
-    timeout 120 python3 benchmarks/e2e_bench.py --model qwen3-0.6b --workloads grpo,multi_turn --modes tree \
-      --attention-backend $b --warmup 2 --steps 5 --no-profile --out "$OUT/e2e_tree_${b}_$tag.json" 2>&1 \
-      | grep -E "^qwen3|Error|error" | tee -a "$OUT/e2e_tree_backends_$tag.txt"
+  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_cudnn_backend" --variants --skip-dense --iters 10 \
+    --warmup 3 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_${tag}_cudnn_backend.log" 2>&1
+  grep -v -i warn "$OUT/attention_${tag}_cudnn_backend.log" | grep -E "^(grpo|multi|long)"
+  for b in cudnn_flex fa4; do  # cProfile'd step for cudnn_flex only (a device call returns at most 8 files)
+    timeout 200 python3 benchmarks/e2e_bench.py --model qwen3-0.6b --workloads grpo,multi_turn --modes tree \
+      --attention-backend $b --warmup 2 --steps 5 $([ $b = cudnn_flex ] && echo --host-profile) \
+      --out "$OUT/e2e_tree_${b}_${tag}_backend.json" 2>&1 | grep -E "^qwen3|Error|error" \
+      | tee -a "$OUT/e2e_tree_backends_${tag}_backend.txt"
   done
 else
   common="--model qwen3-0.6b --workloads long_multi_turn --max-tokens-per-mb 65536 --recompute full --warmup 1 --steps 2 --no-profile"

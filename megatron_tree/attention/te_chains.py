@@ -81,7 +81,7 @@ def te_chain_attention(
         raise ValueError(refusal(shape, dropout_p=0.0))
     _, heads, slots, head_dim = query.shape
     attn = _te_attention(heads, key.shape[1], head_dim, float(scale))
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [s, heads, hn]
+    q, k, v = (t.squeeze(0).transpose(0, 1).contiguous() for t in (query, key, value))  # [s, heads, hn]
     out = attn(q, k, v, qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     return out.view(slots, heads, value.shape[-1]).transpose(0, 1).unsqueeze(0)
