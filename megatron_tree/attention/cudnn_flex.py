@@ -77,9 +77,9 @@ PROVEN = ProvenShapes.grid(head_dims=(64,), gqa_ratios=(1, 2, 4, 8), dtypes=(tor
 sequence per tree; query slots as one sequence) (forward and backward against the dense fp64 reference,
 :mod:`megatron_tree.attention.conformance`): bf16 on Hopper, head dim 64 with MHA and GQA 2:1, 4:1, 8:1, head dim 128
 with MHA and GQA 2:1. Every other call (d 128 with GQA 4:1 or 8:1 until the varlen call is compared there, other head
-dims, fp16, a v head dim of its own, other GPU generations) is refused. ``auto`` does not pick it: per call faster than
-FA4 on an H100, but its mask plan costs 2-4 ms per micro-batch and the whole tree step was 1.8% faster on GRPO and 11%
-slower on multi-turn trees (docs/results.md, measured with one sequence per micro-batch)."""
+dims, fp16, a v head dim of its own, other GPU generations) is refused. ``auto`` does not pick it: on an H100 its
+per-tree call is 2-12% faster than FA4's, but the 0.6B shape's tree step 5% slower on GRPO and 17% on multi-turn
+trees (more host time per call, host syncs in the mask build; docs/results.md)."""
 
 
 def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,8 +230,8 @@ class CudnnFlexTreeMask:
 
 def cudnn_flex_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> CudnnFlexTreeMask:
     """The cuDNN flex mask of a tree micro-batch: ``subtree_end`` int [T] or [1, T], ``query_slots`` int [Tq] or None
-    (None: one varlen sequence per tree; query slots: one sequence). Two host syncs (the interval count, the longest
-    tree)."""
+    (None: one varlen sequence per tree; query slots: one sequence). Host syncs: the interval count; without query
+    slots also the trees' first slots (:func:`tree_segments`) and the longest tree."""
     end = _check_subtree_end(subtree_end)
     if query_slots is not None:
         intervals = tree_intervals(end, query_slots)
