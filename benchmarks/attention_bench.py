@@ -292,9 +292,8 @@ def visited_tiles(end: torch.Tensor, block_size: int = 128) -> tuple[int, int]:
     filled with self-attending slots (as padding is)."""
     t = end.shape[0]
     n = -(-t // block_size) * block_size
-    partial, full = classify_blocks(torch.cat([end, torch.arange(t + 1, n + 1, device=end.device, dtype=end.dtype)]),
-                                    block_size)
-    return int(partial.sum()), int(partial.sum() + full.sum())
+    stats = block_stats(torch.cat([end, torch.arange(t + 1, n + 1, device=end.device, dtype=end.dtype)]), block_size)
+    return stats["partial_blocks"], stats["partial_blocks"] + stats["full_blocks"]
 
 
 def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:
