@@ -5,6 +5,8 @@
 #   PART=check    TE setup; tests/mcore/test_grouped_gemm_gpu.py (TE's CUTLASS grouped GEMM against fp64 and cuBLAS,
 #                 bf16); then the GRPO and multi-turn steps, CUTLASS grouped GEMM on (the model build's default)
 #   PART=cublas   the multi-turn step with TE's cuBLAS grouped GEMM (NVTE_USE_CUTLASS_GROUPED_GEMM=0)
+#   PART=warm2    both workloads, the default build (CUTLASS grouped GEMM), 4 profiled steps per mode, then
+#                 benchmarks/step_spread.py over them
 #   PART=spread   where the multi-turn steps' spread comes from: both modes with 4 profiled steps each (wall, device-busy
 #                 and kernel time per step) and the caching allocator's cudaMalloc calls and retries per step; the tree
 #                 alone at learning rate 0 (the router's choices fixed); both modes with PyTorch's expandable segments
