@@ -65,21 +65,21 @@ CUDNN_FRONTEND_VERSION = "1.32.0"
 
 _PROVEN_EVIDENCE = (
     "nvidia-cudnn-frontend 1.32.0, torch 2.11, out / dQ / dK / dV against the dense fp64 reference (the rule: 2x dense "
-    "bf16's error): one varlen sequence per tree on an H100, benchmarks/results/te/conformance_cudnn_flex_per_tree_h100."
-    "json (GRPO tree, raw kernels, at most 1.46x) and te/cudnn_flex_tests_per_tree_h100.txt (GRPO, multi-turn and "
-    "eight-tree micro-batches with padding, 16/8 heads d 128 and 8/8 d 64); context-parallel query slots (one sequence) "
-    "on an H200, te/conformance_cudnn_flex.json (at most 1.48x)"
+    "bf16's error), on an H100: benchmarks/results/te/conformance_cudnn_flex_per_tree_h100.json (raw kernels, head dims "
+    "64 / 128 at GQA 1 / 2 / 4 / 8 on a GRPO and a multi-turn tree, one varlen sequence per tree, and on GRPO query "
+    "slots as one sequence: at most 1.50x) and te/cudnn_flex_tests_per_tree_h100.txt (GRPO, multi-turn and eight-tree "
+    "micro-batches with padding, 16/8 heads d 128 and 8/8 d 64); context-parallel query slots also on an H200, "
+    "te/conformance_cudnn_flex.json (at most 1.48x)"
 )
-PROVEN = ProvenShapes.grid(head_dims=(64,), gqa_ratios=(1, 2, 4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
-                           evidence=_PROVEN_EVIDENCE) | ProvenShapes.grid(
-    head_dims=(128,), gqa_ratios=(1, 2), dtypes=(torch.bfloat16,), devices=("sm90",), evidence="the same runs")
+PROVEN = ProvenShapes.grid(head_dims=(64, 128), gqa_ratios=(1, 2, 4, 8), dtypes=(torch.bfloat16,), devices=("sm90",),
+                           evidence=_PROVEN_EVIDENCE)
 """Where the kernels of :data:`CUDNN_FRONTEND_VERSION` were proven exact, in both of this module's calls (one varlen
 sequence per tree; query slots as one sequence) (forward and backward against the dense fp64 reference,
-:mod:`megatron_tree.attention.conformance`): bf16 on Hopper, head dim 64 with MHA and GQA 2:1, 4:1, 8:1, head dim 128
-with MHA and GQA 2:1. Every other call (d 128 with GQA 4:1 or 8:1 until the varlen call is compared there, other head
-dims, fp16, a v head dim of its own, other GPU generations) is refused. ``auto`` does not pick it: on an H100 its
-per-tree call is 2-12% faster than FA4's, but the 0.6B shape's tree step 5% slower on GRPO and 17% on multi-turn
-trees (more host time per call, host syncs in the mask build; docs/results.md)."""
+:mod:`megatron_tree.attention.conformance`): bf16 on Hopper, head dims 64 and 128 with MHA and GQA 2:1, 4:1, 8:1.
+Every other call (other head dims, fp16, a v head dim of its own, other GPU generations) is refused. ``auto`` does
+not pick it: on an H100 its per-tree call is 2-16% faster than FA4's, but the 0.6B shape's tree step is 1% faster to
+5% slower on GRPO trees and 12-17% slower on multi-turn trees (more host time per call, host syncs in the mask
+build; docs/results.md)."""
 
 
 def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
