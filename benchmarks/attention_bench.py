@@ -36,9 +36,9 @@ ratio of the dense kernels (causal flash / cuDNN, flat varlen / TE THD) on the w
 (``per_pair_efficiency_vs_fastest``, ``fastest_dense``). Useful pairs: visible pairs of the tree mask for
 flex_tree and dense_sdpa, sum of L(L+1)/2 over sequences for flat, T(T+1)/2 for causal.
 Also: relative errors (vs float64) of flex_tree in fp32 and bf16 next to dense SDPA in
-bf16, cudnn_flex with the forward's GQA heads in tiles of their own (``cudnn_flex_tree_unpacked``: the frontend's
-``pack_gqa=False``) beside the backend's call, and flex variants (block sizes, kernel options) on the GRPO workload; a variant the
-kernel refuses (e.g. block sizes below 128 on sm90, torch 2.11) is recorded with its error.
+bf16, cudnn_flex with the forward's GQA heads in tiles of their own (``cudnn_flex_tree_unpacked``: the
+frontend's ``pack_gqa=False``) beside the backend's call, and flex variants (block sizes, kernel options) on the GRPO
+workload; a variant the kernel refuses (e.g. block sizes below 128 on sm90, torch 2.11) is recorded with its error.
 Writes ``attention_<tag>.json`` and ``attention_<tag>.png`` under ``--out``.
 """
 
@@ -379,20 +379,23 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_segments']} sequences, "
               f"{row['cudnn_flex_intervals']} intervals, mask build {row['cudnn_flex_mask_build_ms']:.2f} ms, tile "
               f"ceiling {row['cudnn_flex_tile_ceiling']:.3f})", flush=True)
-        # The same call with the forward's query heads in their own tiles: the frontend packs the GQA heads of a K/V
-        # head into one 128-row forward tile by default (64 slots x 2 heads: half as many masked rows per node edge)
+        # The same call with the forward's query heads in tiles of their own (pack_gqa=False): by default the frontend
+        # packs the query heads of a K/V head into one 128-row forward tile (GQA 2:1: 64 slots x 2 heads)
         from cudnn.flex_attention import create_mask_plan
 
         unpacked = cudnn_flex_tree_mask(end)
         tm = [token_major(x).requires_grad_() for x in (q, k, v)]
+        segments = dict(cu_seqlens_q=unpacked.cu_seqlens, cu_seqlens_k=unpacked.cu_seqlens,
+                        max_seqlen_q=unpacked.max_seqlen, max_seqlen_k=unpacked.max_seqlen)
         unpacked.plans[(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM, torch.bfloat16, True)] = create_mask_plan(
-            unpacked.intervals, *(x.transpose(1, 2).squeeze(0) for x in tm), cu_seqlens_q=unpacked.cu_seqlens, cu_seqlens_k=unpacked.cu_seqlens,
-            max_seqlen_q=unpacked.max_seqlen, max_seqlen_k=unpacked.max_seqlen, pack_gqa=False, build_backward=True)
+            unpacked.intervals, *(x.transpose(1, 2).squeeze(0) for x in tm), **segments, pack_gqa=False,
+            build_backward=True)
         times["cudnn_flex_tree_unpacked"] = time_fwd_bwd(
             lambda q, k, v: cudnn_flex._flex(q, k, v, unpacked, HEAD_DIM ** -0.5), tm, token_major(g), args)
         with torch.no_grad():
             out_packed, out_unpacked = (cudnn_flex._flex(*tm, m, HEAD_DIM ** -0.5) for m in (cudnn_mask, unpacked))
-        row["cudnn_flex_unpacked_rel_diff"] = ((out_unpacked - out_packed).float().norm() / out_packed.float().norm()).item()
+        diff = (out_unpacked - out_packed).float().norm() / out_packed.float().norm()
+        row["cudnn_flex_unpacked_rel_diff"] = diff.item()
         print(f"  cudnn_flex_tree_unpacked {times['cudnn_flex_tree_unpacked']} (rel diff to packed "
               f"{row['cudnn_flex_unpacked_rel_diff']:.1e})", flush=True)
     if not args.skip_dense and not long:
