@@ -86,6 +86,8 @@ def test_dense_chunk_behind_its_context_equals_the_whole_tree():
     ("flex", torch.bfloat16, 128, (4, 2)),
     ("fa4", torch.bfloat16, 128, (4, 2)),   # the chunk's queries reach FA4 as query slots
     ("fa4", torch.bfloat16, 64, (4, 4)),
+    ("cudnn_flex", torch.bfloat16, 128, (8, 2)),  # the chunk's queries are one sequence of the varlen call
+    ("cudnn_flex", torch.bfloat16, 64, (4, 4)),
 ])
 def test_gpu_chunk_behind_its_context_equals_the_whole_tree(backend, dtype, hn, heads):
     if not torch.cuda.is_available():
@@ -95,4 +97,10 @@ def test_gpu_chunk_behind_its_context_equals_the_whole_tree(backend, dtype, hn, 
 
         if not fa4_available():
             pytest.skip("needs flash-attn-4 (benchmarks/fa4_stage.sh)")
+    if backend == "cudnn_flex":
+        from megatron_tree.attention.cudnn_flex import cudnn_flex_unavailable_reason
+
+        reason = cudnn_flex_unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
     check_chunks_match_whole(backend, "cuda", dtype, hn, heads)
