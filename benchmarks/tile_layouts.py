@@ -1,6 +1,7 @@
 """How the slot layout of a tree micro-batch moves the 128 x 128-tile ceiling of tree attention (CPU only, no kernels).
 
     python benchmarks/tile_layouts.py            # the GRPO and multi-turn micro-batches of attention_bench.py
+    python benchmarks/tile_layouts.py --workloads grpo multi_turn long_multi_turn   # and its 128k tree
 
 A tile that a node's boundary cuts holds pairs the mask hides, and a tile kernel computes them anyway
 (``attention_bench.tile_ceiling``: useful pairs per visited tile pair, against the causal mask's on the same slots).
@@ -12,7 +13,15 @@ Two layout changes the packer does not make today, counted here on the fullest m
   no tree's rows visit a tile shared with the tree before it. The packer keeps padding after ``num_tokens`` only
   (``TreeMicroBatch``), so this needs padding inside a micro-batch.
 
-Prints the slots (padding included, to a whole tile), partial tiles and the ceiling of each of the four layouts.
+And one call layout with no partly masked tile but the diagonal ones, counted apart:
+
+- *root paths*: one varlen sequence per node (a maximal run of slots each the child of the slot before), its
+  ancestors' keys and values copied before its own; every sequence is then bottom-right causal, which a dense varlen
+  kernel (TE's cuDNN THD call) runs. Each node's rows are tiled from its own first row, so every node ends in a
+  ragged row tile and its diagonal is off the key tiles by its ancestors' count.
+
+Prints the slots (padding included, to a whole tile), partial tiles and the ceiling of each of the four layouts, then
+the root-path layout's ceiling and copied keys.
 """
 
 from __future__ import annotations
@@ -22,8 +31,8 @@ import argparse
 import numpy as np
 import torch
 
-from attention_bench import SLOTS, fullest_micro_batch, tile_ceiling, visited_tiles, workloads
-from megatron_tree.core.masks import tree_parents
+from attention_bench import LONG_WORKLOADS, SLOTS, fullest_micro_batch, tile_ceiling, visited_tiles, workloads
+from megatron_tree.core.masks import tree_depths, tree_parents
 
 TILE = 128
 
@@ -56,6 +65,26 @@ def relayout(subtree_end: np.ndarray, largest_first: bool, aligned: bool) -> np.
     return np.asarray(out, dtype=np.int64)
 
 
+def root_paths(subtree_end: np.ndarray, tree_pairs: int) -> dict:
+    """Ceiling and copied keys of the root-path layout: node n has lq own rows and a ancestors (the depth of its first
+    slot); row tile r of it visits key tiles 0 .. (a + its last row) // TILE; against causal on the slots padded to a
+    whole tile."""
+    end = torch.as_tensor(subtree_end)
+    slot = torch.arange(end.shape[0])
+    starts = tree_parents(end) != slot - 1
+    starts[0] = True  # its parent, -1, is "the slot before"
+    first = torch.nonzero(starts).reshape(-1)
+    lq = torch.cat([first[1:], first.new_tensor([end.shape[0]])]) - first
+    ancestors = tree_depths(end)[first]
+    tiles = -(-lq // TILE)
+    node = torch.repeat_interleave(torch.arange(lq.shape[0]), tiles)
+    r = torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
+    last_row = torch.minimum(lq[node], (r + 1) * TILE) - 1
+    visited = int(((ancestors[node] + last_row) // TILE + 1).sum())
+    slots = -(-len(subtree_end) // TILE) * TILE
+    return dict(nodes=len(first), copied_keys=int(ancestors.sum()), ceiling=tile_ceiling(tree_pairs, visited, slots, TILE))
+
+
 def ceiling(subtree_end: np.ndarray, tree_pairs: int) -> dict:
     """Slots (padded with self-attending slots to a whole tile), partial tiles and ``tile_ceiling`` of a layout."""
     slots = -(-len(subtree_end) // TILE) * TILE
@@ -70,7 +99,7 @@ def main():
     args = ap.parse_args()
     batches = workloads(args.seed)
     for name in args.workloads:
-        mb = fullest_micro_batch(batches[name], SLOTS)
+        mb = fullest_micro_batch(batches[name], LONG_WORKLOADS.get(name, SLOTS))
         end = mb.attention_mask[0, : mb.num_tokens].numpy().astype(np.int64)
         pairs = int((end - np.arange(len(end))).sum())
         for largest_first in (False, True):
@@ -79,6 +108,9 @@ def main():
                 layout = ("largest first" if largest_first else "as packed") + (", aligned" if aligned else "")
                 print(f"{name:10s} {layout:24s} slots {row['slots']:6d}  partial tiles {row['partial_tiles']:5d}  "
                       f"ceiling {row['ceiling']:.3f}")
+        row = root_paths(end, pairs)
+        print(f"{name:10s} {'root paths':24s} {row['nodes']} nodes, {row['copied_keys']} keys copied  "
+              f"ceiling {row['ceiling']:.3f}")
 
 
 if __name__ == "__main__":
