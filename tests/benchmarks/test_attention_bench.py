@@ -1,5 +1,5 @@
 """attention_bench.tile_ceiling: 1 on a causal chain; below 1 by exactly the masked share of the visited tiles.
-tile_layouts.relayout: the layouts it counts are the same forest."""
+tile_layouts.relayout: the layouts it counts are the same forest; tile_layouts.root_paths: its node and tile counts."""
 
 import sys
 
@@ -101,3 +101,25 @@ def test_token_major_is_megatrons_layout():
     y = token_major(x)
     assert torch.equal(x, y) and not y.requires_grad and y.transpose(1, 2)[0].is_contiguous()
     assert not x.transpose(1, 2)[0].is_contiguous()
+
+
+def test_tile_layouts_root_paths_counts_each_node_as_a_bottom_right_causal_sequence(monkeypatch):
+    """``tile_layouts.root_paths`` on a prompt with three samples and a second tree: five nodes (the first sample
+    continues the prompt), seven keys copied (the prompt's 3 before each later sample, the second root before its
+    later child); with 4-slot tiles its visited tiles match a brute-force count of the copied layout's masks."""
+    import numpy as np
+    import tile_layouts
+    from tile_layouts import root_paths
+
+    end = np.array([9, 9, 9, 5, 5, 7, 7, 9, 9, 12, 11, 12])
+    pairs = int((end - np.arange(len(end))).sum())
+    row = root_paths(end, pairs)
+    assert (row["nodes"], row["copied_keys"]) == (5, 7)
+    # (own rows, ancestors) per node -> visited 4 x 4 tiles of each bottom-right causal [rows, ancestors + rows] mask
+    nodes = [(5, 0), (2, 3), (2, 3), (2, 0), (1, 1)]
+    visited = 0
+    for rows, ancestors in nodes:
+        seen = np.arange(ancestors + rows)[None] <= np.arange(rows)[:, None] + ancestors
+        visited += len({(i // 4, j // 4) for i, j in zip(*np.nonzero(seen))})
+    monkeypatch.setattr(tile_layouts, "TILE", 4)
+    assert root_paths(end, pairs)["ceiling"] == tile_ceiling(pairs, visited, 12, 4)
