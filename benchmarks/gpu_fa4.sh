@@ -15,8 +15,8 @@
 #                                            # its varlen kernels: a few seconds per row on a fresh host)
 #   PART=cudnn_speed bash benchmarks/gpu_fa4.sh  # attention_bench with FA4, cuDNN flex (on Megatron's token-major
 #                                            # q / k / v) and causal cuDNN in one run (GRPO, multi-turn, 128k), then
-#                                            # the 0.6B shape's tree step with cudnn_flex against FA4 (should auto
-#                                            # pick cudnn_flex?), each with a profiled step (cudnn_flex also a
+#                                            # the 0.6B shape's tree step with cudnn_flex against FA4 (whether auto
+#                                            # should pick it: docs/results.md), each with a profiled step (cudnn_flex also a
 #                                            # cProfile'd one); files *_backend*
 # Outputs under $OUT (default benchmarks/results/te).
 set -uo pipefail

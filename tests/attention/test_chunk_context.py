@@ -86,7 +86,7 @@ def test_dense_chunk_behind_its_context_equals_the_whole_tree():
     ("flex", torch.bfloat16, 128, (4, 2)),
     ("fa4", torch.bfloat16, 128, (4, 2)),   # the chunk's queries reach FA4 as query slots
     ("fa4", torch.bfloat16, 64, (4, 4)),
-    ("cudnn_flex", torch.bfloat16, 128, (8, 2)),  # the chunk's queries are one sequence of the varlen call
+    ("cudnn_flex", torch.bfloat16, 128, (8, 2)),  # the chunk's queries reach cudnn_flex as query slots (one sequence)
     ("cudnn_flex", torch.bfloat16, 64, (4, 4)),
 ])
 def test_gpu_chunk_behind_its_context_equals_the_whole_tree(backend, dtype, hn, heads):
