@@ -37,8 +37,7 @@ ratio of the dense kernels (causal flash / cuDNN, flat varlen / TE THD) on the w
 flex_tree and dense_sdpa, sum of L(L+1)/2 over sequences for flat, T(T+1)/2 for causal.
 Also: relative errors (vs float64) of flex_tree in fp32 and bf16 next to dense SDPA in
 bf16, cudnn_flex with the forward's GQA heads in tiles of their own (``cudnn_flex_tree_unpacked``: the
-frontend's ``pack_gqa=False``) and with the kernels' own GQA backward (``cudnn_flex_tree_gqa_backward``; the backend
-runs it per query head) beside the backend's call, and flex variants (block sizes, kernel options) on the GRPO
+frontend's ``pack_gqa=False``) beside the backend's call, and flex variants (block sizes, kernel options) on the GRPO
 workload; a variant the kernel refuses (e.g. block sizes below 128 on sm90, torch 2.11) is recorded with its error.
 Writes ``attention_<tag>.json`` and ``attention_<tag>.png`` under ``--out``.
 """
@@ -367,13 +366,9 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         row["cudnn_flex_segments"] = len(cudnn_mask.cu_seqlens) - 1
         row["cudnn_flex_tile_ceiling"] = segment_tile_ceiling(end, cudnn_mask.cu_seqlens, row["tree_pairs"])
 
-        thd = [x.transpose(1, 2).squeeze(0) for x in (q, k, v)]  # the kernels' THD views
-        mha = [thd[0], *(x.repeat_interleave(HEADS // KV_HEADS, 1) for x in thd[1:])]
-
-        def cudnn_prepare():  # segments, intervals and the mask plans (the forward's GQA one, the backward's per query
-            mask = cudnn_flex_tree_mask(end.clone())  # head): once per micro-batch for all layers
-            mask.plan(*thd, False)
-            mask.plan(*mha, True)
+        def cudnn_prepare():  # segments, intervals and the mask plan with backward: once per micro-batch for all layers
+            mask = cudnn_flex_tree_mask(end.clone())
+            mask.plan(*(x.transpose(1, 2) for x in (q, k, v)), True)
 
         cudnn_prepare()  # compiles the plan kernels
         row["cudnn_flex_mask_build_ms"] = wall_time(cudnn_prepare, 1, args.iters)
@@ -384,28 +379,17 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_segments']} sequences, "
               f"{row['cudnn_flex_intervals']} intervals, mask build {row['cudnn_flex_mask_build_ms']:.2f} ms, tile "
               f"ceiling {row['cudnn_flex_tile_ceiling']:.3f})", flush=True)
-        # The same call with the kernels' own GQA backward (dK / dV added in zero-filled fp32 accumulators; the
-        # backend runs the backward per query head)
-        from cudnn.flex_attention import create_mask_plan, flex_attn_func
+        # The same call with the forward's query heads in tiles of their own (pack_gqa=False): by default the frontend
+        # packs the query heads of a K/V head into one 128-row forward tile (GQA 2:1: 64 slots x 2 heads)
+        from cudnn.flex_attention import create_mask_plan
 
-        tm = [token_major(x).requires_grad_() for x in (q, k, v)]
-        segments = dict(cu_seqlens_q=cudnn_mask.cu_seqlens, cu_seqlens_k=cudnn_mask.cu_seqlens,
-                        max_seqlen_q=cudnn_mask.max_seqlen, max_seqlen_k=cudnn_mask.max_seqlen)
-        gqa_plan = create_mask_plan(cudnn_mask.intervals, *(x.transpose(1, 2).squeeze(0) for x in tm), **segments,
-                                    build_backward=True)
-
-        def kernels_gqa(q, k, v):
-            return flex_attn_func(*(x.transpose(1, 2).squeeze(0) for x in (q, k, v)), mask_plan=gqa_plan,
-                                  softmax_scale=HEAD_DIM ** -0.5).unsqueeze(0).transpose(1, 2)
-
-        times["cudnn_flex_tree_gqa_backward"] = time_fwd_bwd(kernels_gqa, tm, token_major(g), args)
-        print(f"  cudnn_flex_tree_gqa_backward {times['cudnn_flex_tree_gqa_backward']}", flush=True)
-        # The backend's call with the forward's query heads in tiles of their own (pack_gqa=False): by default the
-        # frontend packs the query heads of a K/V head into one 128-row forward tile (GQA 2:1: 64 slots x 2 heads)
         unpacked = cudnn_flex_tree_mask(end)
-        unpacked.plans[(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM, torch.bfloat16, False)] = create_mask_plan(
+        tm = [token_major(x).requires_grad_() for x in (q, k, v)]
+        segments = dict(cu_seqlens_q=unpacked.cu_seqlens, cu_seqlens_k=unpacked.cu_seqlens,
+                        max_seqlen_q=unpacked.max_seqlen, max_seqlen_k=unpacked.max_seqlen)
+        unpacked.plans[(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM, torch.bfloat16, True)] = create_mask_plan(
             unpacked.intervals, *(x.transpose(1, 2).squeeze(0) for x in tm), **segments, pack_gqa=False,
-            build_backward=False)
+            build_backward=True)
         times["cudnn_flex_tree_unpacked"] = time_fwd_bwd(
             lambda q, k, v: cudnn_flex._flex(q, k, v, unpacked, HEAD_DIM ** -0.5), tm, token_major(g), args)
         with torch.no_grad():
@@ -431,7 +415,6 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
     row["times"] = times
     pairs = {"flex_tree": row["tree_pairs"], "dense_sdpa": row["tree_pairs"], "fa4_tree": row["tree_pairs"],
              "cudnn_flex_tree": row["tree_pairs"], "cudnn_flex_tree_unpacked": row["tree_pairs"],
-             "cudnn_flex_tree_gqa_backward": row["tree_pairs"],
              "causal_flash": row["causal_pairs"], "causal_cudnn": row["causal_pairs"], "causal_fa4": row["causal_pairs"]}
     pairs.update({m: row["flat_pairs"] for m in times if m.startswith("flat")})
     ref = row["causal_pairs"] / times["causal_flash"]["fwd_bwd_ms"]

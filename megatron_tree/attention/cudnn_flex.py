@@ -39,7 +39,6 @@ import torch
 
 from megatron_tree.attention.availability import pinned_import_problem, unavailable_reason
 from megatron_tree.attention.flex import _check_qkv, _check_subtree_end
-from megatron_tree.attention.head_pairs import add_head_pairs, repeat_heads
 from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 from megatron_tree.core.masks import tree_parents
 
@@ -211,20 +210,20 @@ class CudnnFlexTreeMask:
     plans: dict = field(default_factory=dict)
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool):
-        """The mask plan for the kernels' q / k / v: BSHD ``[1, Tq, h, d]`` / ``[1, T, hkv, d]`` / ``[1, T, hkv, dv]``,
-        or THD ``[T, h, d]`` / ``[T, hkv, d]`` / ``[T, hkv, dv]`` when ``cu_seqlens`` is set; one with backward
+        """The mask plan for q ``[1, Tq, h, d]``, k ``[1, T, hkv, d]``, v ``[1, T, hkv, dv]`` (BSHD); one with backward
         payloads serves forward-only calls too."""
         from cudnn.flex_attention import create_mask_plan
 
-        shape = (q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], q.dtype)
+        shape = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.dtype)
         found = self.plans.get((*shape, True)) or (None if backward else self.plans.get((*shape, False)))
         if found is None:
             if self.cu_seqlens is None:
                 found = create_mask_plan(self.intervals, q, k, v, build_backward=backward)
-            else:
-                found = create_mask_plan(self.intervals, q, k, v, cu_seqlens_q=self.cu_seqlens,
-                                         cu_seqlens_k=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
-                                         max_seqlen_k=self.max_seqlen, build_backward=backward)
+            else:  # THD [T, heads, d]
+                found = create_mask_plan(self.intervals, *(x.squeeze(0) for x in (q, k, v)),
+                                         cu_seqlens_q=self.cu_seqlens, cu_seqlens_k=self.cu_seqlens,
+                                         max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen,
+                                         build_backward=backward)
             self.plans[(*shape, backward)] = found
         return found
 
@@ -243,58 +242,17 @@ def cudnn_flex_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | 
 
 def _flex(query, key, value, mask: CudnnFlexTreeMask, softmax_scale: float) -> torch.Tensor:
     """The kernels as they are (the conformance harness measures them raw): query [1, h, Tq, d], key [1, hkv, T, d],
-    value [1, hkv, T, dv] -> [1, h, Tq, dv]. With two query heads per K/V head and a backward to come, the backward
-    runs per query head (:class:`_PerQueryHeadBackward`)."""
+    value [1, hkv, T, dv] -> [1, h, Tq, dv]."""
     from cudnn.flex_attention import flex_attn_func
 
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BSHD views, last dim contiguous
     backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if mask.cu_seqlens is not None:
-        # squeeze, not [0]: select's backward would allocate, zero and copy into a whole new dQ / dK / dV
-        q, k, v = (x.squeeze(0) for x in (q, k, v))  # THD [T, heads, d]
-    if backward and q.shape[-2] == 2 * k.shape[-2]:
-        out = _PerQueryHeadBackward.apply(q, k, v, mask, softmax_scale)
-    else:
-        out = flex_attn_func(q, k, v, mask_plan=mask.plan(q, k, v, backward), softmax_scale=softmax_scale)
-    return (out if mask.cu_seqlens is None else out.unsqueeze(0)).transpose(1, 2)
-
-
-class _PerQueryHeadBackward(torch.autograd.Function):
-    """The flex kernels with two query heads per K/V head: the forward as the frontend runs it (its GQA-packed tiles,
-    a forward-only plan), the backward on K/V repeated to the query heads (each head's dK / dV written directly, no
-    zero-filled fp32 accumulators, atomics or conversion kernels) under a plan of its own, the dK / dV head pairs
-    added after (:mod:`megatron_tree.attention.head_pairs`). The kernels' MHA backward is proven where their GQA one
-    is (:data:`PROVEN`). Tensors as :func:`_flex` passes them: BSHD ``[1, S, heads, d]`` or THD ``[T, heads, d]``.
-
-    The backward calls the frontend's own backward entry (``cudnn.flex_attention.execution._flex_attention_backward``,
-    what its ``flex_attn_func`` runs, pinned by :data:`CUDNN_FRONTEND_VERSION`) with the forward's output and
-    log-sum-exp."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask: CudnnFlexTreeMask, softmax_scale: float):
-        from cudnn.flex_attention import flex_attn_func
-
-        out, lse = flex_attn_func(q, k, v, mask_plan=mask.plan(q, k, v, False), softmax_scale=softmax_scale,
-                                  return_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.softmax_scale = mask, softmax_scale
-        ctx.set_materialize_grads(False)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        from cudnn.flex_attention.execution import _flex_attention_backward
-
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            return None, None, None, None, None
-        thd = k.dim() == 3
-        k4, v4 = (x.unsqueeze(0) if thd else x for x in (k, v))
-        kr, vr = (repeat_heads(x).squeeze(0) if thd else repeat_heads(x) for x in (k4, v4))
-        dq, dkr, dvr = _flex_attention_backward(q, kr, vr, out, dout, lse, mask_plan=ctx.mask.plan(q, kr, vr, True),
-                                                softmax_scale=ctx.softmax_scale)
-        dk, dv = (add_head_pairs(g.unsqueeze(0) if thd else g, like=x) for g, x in ((dkr, k4), (dvr, v4)))
-        return dq, dk.squeeze(0) if thd else dk, dv.squeeze(0) if thd else dv, None, None
+    plan = mask.plan(q, k, v, backward)
+    if mask.cu_seqlens is None:
+        return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=softmax_scale).transpose(1, 2)
+    # squeeze, not [0]: select's backward would allocate, zero and copy into a whole new dQ / dK / dV
+    thd = (x.squeeze(0) for x in (q, k, v))
+    return flex_attn_func(*thd, mask_plan=plan, softmax_scale=softmax_scale).unsqueeze(0).transpose(1, 2)
 
 
 def cudnn_flex_tree_attention(

@@ -22,7 +22,7 @@ K/V heads with atomics, after zero-filling them, and converts them in two more k
 query heads (the kernel then writes each head's dK / dV directly) and adds the two heads' dK / dV
 (each rounded to bf16 once before the add): the tree kernels' key tiles are short (a mean of 23 / 15
 query tiles per key tile on the 32k GRPO / multi-turn trees), so the atomic epilogue, the fills and the
-conversions cost more than the two copies and the add (:mod:`megatron_tree.attention.head_pairs`).
+conversions cost more than the two copies and the add (two torch element-wise kernels, any memory order).
 
 Mask (as the ``mask_mod`` s in :mod:`megatron_tree.attention.fa4`): query position ``p`` (its row,
 or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``kv`` iff
@@ -30,7 +30,7 @@ or ``slots[row]`` under context parallel, ``-1`` for a padding row) sees key ``k
 
 Imports ``flash_attn.cute`` and the CuTe DSL: imported by :mod:`megatron_tree.attention.fa4` only where
 FA4 runs. Checked on the H200 by ``tests/attention/test_fa4_attention.py`` (against the dense reference; bit for bit
-against FA4's element-wise masking of the same predicate; the GQA backward against FA4's own; ``tests/attention/test_head_pairs.py``: the head
+against FA4's element-wise masking of the same predicate; the GQA backward against FA4's own, and its head
 repeat / pair sum bit for bit against a plain torch reference).
 """
 
@@ -49,7 +49,6 @@ from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
-from megatron_tree.attention.head_pairs import add_head_pairs, repeat_heads
 from megatron_tree.core.patching import AttrPatch
 
 # The CuTe DSL re-traces jit functions from their source with this module's globals: everything the
@@ -134,9 +133,27 @@ def _bwd_per_query_head(q, k, v, out, dout, lse, *args, mask_mod=None, **kwargs)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if id(mask_mod) not in _KINDS or heads != 2 * kv_heads:
         return _ORIGINAL_BWD(q, k, v, out, dout, lse, *args, mask_mod=mask_mod, **kwargs)
-    dq, dk, dv, *rest = _ORIGINAL_BWD(q, repeat_heads(k), repeat_heads(v), out, dout, lse, *args,
+    dq, dk, dv, *rest = _ORIGINAL_BWD(q, _repeat_heads(k), _repeat_heads(v), out, dout, lse, *args,
                                       mask_mod=mask_mod, **kwargs)
-    return (dq, add_head_pairs(dk, like=k), add_head_pairs(dv, like=v), *rest)
+    return (dq, _add_head_pairs(dk, like=k), _add_head_pairs(dv, like=v), *rest)
+
+
+def _repeat_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [b, T, hkv, d] -> [b, T, 2 hkv, d], head i = x's head i // 2, in x's memory order (head-major, or
+    token-major as Megatron's [T, b, hkv, d]); one copy kernel."""
+    b, t, h, d = x.shape
+    head_major = x.stride(2) > x.stride(1)
+    y = torch.empty(b, 2 * h, t, d, dtype=x.dtype, device=x.device).transpose(1, 2) if head_major \
+        else torch.empty(b, t, 2 * h, d, dtype=x.dtype, device=x.device)
+    y.unflatten(2, (h, 2)).copy_(x.unsqueeze(3))
+    return y
+
+
+def _add_head_pairs(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x [b, T, 2 hkv, d] -> [b, T, hkv, d] laid out as ``like``, head j = x's heads 2j + 2j+1 added (one kernel:
+    torch adds bf16 in fp32 and rounds once)."""
+    pairs = x.unflatten(2, (like.shape[2], 2))
+    return torch.add(pairs[:, :, :, 0], pairs[:, :, :, 1], out=torch.empty_like(like))
 
 
 # FA4's _flash_attn_bwd finds its kernel cache as an attribute of the function its module name holds (ours).

@@ -163,6 +163,27 @@ def test_grouped_kv_backward_runs_per_query_head(monkeypatch, token_major):
 
 
 @requires_fa4
+@pytest.mark.parametrize("head_major", [True, False])
+def test_head_pair_kernels_are_exact(head_major):
+    """The per-query-head backward's two element-wise steps: K/V repeated to head pairs (bit copies) and dK / dV pairs
+    added (fp32 sum rounded once to bf16), on a ragged T and a head dim that is not a power of two."""
+    from megatron_tree.attention import fa4_kernels as patch
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    heads_first = torch.randn(2, 4, 301, 96, device="cuda", generator=g).bfloat16()  # [b, hkv, T, d]
+    x = heads_first.transpose(1, 2) if head_major else heads_first.transpose(1, 2).contiguous()
+    repeated = patch._repeat_heads(x)
+    assert torch.equal(repeated, x.repeat_interleave(2, dim=2))
+    assert (repeated.stride(2) > repeated.stride(1)) == head_major
+    grads = torch.randn(2, 301, 8, 96, device="cuda", generator=g).bfloat16()
+    if head_major:
+        grads = grads.transpose(1, 2).contiguous().transpose(1, 2)
+    summed = patch._add_head_pairs(grads, like=x)
+    assert summed.stride() == x.stride()
+    assert torch.equal(summed, grads.float().unflatten(2, (4, 2)).sum(3).bfloat16())
+
+
+@requires_fa4
 def test_fa4_refuses_fp32():
     end = gpu_tree("grpo")
     t = end.shape[0]
