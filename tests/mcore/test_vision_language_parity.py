@@ -173,7 +173,7 @@ def test_gpu_vision_trees_match_hf_and_each_sequence_alone(arch, request):
             env=gpu_env(NVIDIA_TF32_OVERRIDE="0", MEGATRON_TREE_GPU_PASS="1"), cwd=request.config.rootpath,
             capture_output=True, text=True, timeout=600)
         print("\n".join(line for line in proc.stdout.splitlines() if " on " in line and "tree vs HF" in line))
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
         return
     checkpoint, forest = (request.getfixturevalue(name) for name in ("checkpoint", "forest"))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
