@@ -63,8 +63,8 @@ def main():
         causal = step_of(ab.sdpa_gqa(SDPBackend.CUDNN_ATTENTION, is_causal=True), [q, k, v], g)
         totals = {}
         for method, step in (("cudnn_flex_tree", tree), ("causal_cudnn", causal)):
-            lines += kernel_lines(step, f"{name} {method}")
-            totals[method] = float(lines[-1].rsplit(" ", 1)[1])
+            kernels, totals[method] = kernel_lines(step, f"{name} {method}")
+            lines += kernels
         t = end.shape[0]
         ceiling = ab.segment_tile_ceiling(end, mask.cu_seqlens, pairs)
         eff = pairs / totals["cudnn_flex_tree"] / (t * (t + 1) / 2 / totals["causal_cudnn"])

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import attention_bench as ab  # noqa: E402
 
 
-def kernel_lines(step, label: str) -> list[str]:
-    """Profile one ``step()``; one line per GPU kernel and the total."""
+def kernel_lines(step, label: str) -> tuple[list[str], float]:
+    """Profile one ``step()``: one line per GPU kernel and the total, and that total (microseconds)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -33,8 +33,9 @@ def kernel_lines(step, label: str) -> list[str]:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    total = sum(e["dur"] for e in events)
     lines = [f"{label} {e['name'][:70]} {e['args'].get('grid')} us {e['dur']}" for e in events]
-    return lines + [f"{label} kernel total us {sum(e['dur'] for e in events)}"]
+    return lines + [f"{label} kernel total us {total}"], total
 
 
 def main():
@@ -44,7 +45,7 @@ def main():
     lines = []
     for name, layout in [("grpo", "head-major"), ("multi_turn", "head-major"), ("grpo", "token-major")]:
         step = ab.fa4_tree_step(loads[name], ab.SLOTS, dev, token_major=layout == "token-major")
-        lines += kernel_lines(step, f"{name} {layout}")
+        lines += kernel_lines(step, f"{name} {layout}")[0]
         print(lines[-1], flush=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
