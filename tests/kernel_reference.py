@@ -45,3 +45,17 @@ def bf16_inputs(t, tq, heads, kv_heads, d, seed=0):
 def dense_attention(mask, scale=None):
     """SDPA with the dense bool mask [Tq, T] (GQA by ``enable_gqa``)."""
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+
+
+def frontend_flex(query, key, value, mask, scale):
+    """cuDNN frontend's own ``flex_attn_func`` on the plan of ``mask`` (a ``CudnnFlexTreeMask``), in the layout of
+    ``megatron_tree.attention.cudnn_flex._flex`` (query [1, h, Tq, d], key / value [1, hkv, T, d]): the call whose
+    per-call Python ``megatron_tree.attention.cudnn_flex_kernels`` skips."""
+    from cudnn.flex_attention import flex_attn_func
+
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    plan = mask.plan(q, k, v, torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+    if mask.cu_seqlens is None:
+        return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale).transpose(1, 2)
+    thd = (x.squeeze(0) for x in (q, k, v))
+    return flex_attn_func(*thd, mask_plan=plan, softmax_scale=scale).unsqueeze(0).transpose(1, 2)

@@ -24,7 +24,9 @@ CuTe DSL kernels, like FlashAttention-4's, with a persistent compile cache): a *
 (query, key) tiles once per micro-batch and attention shape (``create_mask_plan``; host syncs) and materialises
 the mask of the partial ones; full tiles skip the mask, empty tiles are never loaded; forward and backward read the
 same plan. Plans are built on first use per (head counts, head dims, dtype, backward) and
-kept in the :class:`CudnnFlexTreeMask`, so the layers of a model share one.
+kept in the :class:`CudnnFlexTreeMask`, so the layers of a model share one; so are the kernel launches of each tensor
+geometry, resolved once by the frontend's own code and then launched without its per-call Python
+(:mod:`megatron_tree.attention.cudnn_flex_kernels`).
 
 bf16 / fp16 only (the kernels have no fp32 path). Trusted only where a GPU test compared its gradients
 (:data:`PROVEN`); every other call is refused and ``auto`` sends it to a backend proven there. No sliding
@@ -199,7 +201,8 @@ class CudnnFlexTreeMask:
     ``intervals``: int32 ``[1, 2M - 1, Tq]``, :func:`segment_intervals`' when ``cu_seqlens`` is set (int32 [S + 1],
     :func:`tree_segments`: the varlen call, one sequence per tree, ``max_seqlen`` its longest), else
     :func:`tree_intervals`' (one sequence); ``num_slots`` T, ``num_queries`` Tq; ``plans``: the cuDNN mask plans built
-    so far, by (h, hkv, d, dv, dtype, with backward).
+    so far, by (h, hkv, d, dv, dtype, with backward); ``launches``: the kernel launches resolved for them so far
+    (:func:`megatron_tree.attention.cudnn_flex_kernels.flex_attention`).
     """
 
     intervals: torch.Tensor
@@ -208,6 +211,7 @@ class CudnnFlexTreeMask:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     plans: dict = field(default_factory=dict)
+    launches: dict = field(default_factory=dict)
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool):
         """The mask plan for q ``[1, Tq, h, d]``, k ``[1, T, hkv, d]``, v ``[1, T, hkv, dv]`` (BSHD); one with backward
@@ -242,17 +246,18 @@ def cudnn_flex_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | 
 
 def _flex(query, key, value, mask: CudnnFlexTreeMask, softmax_scale: float) -> torch.Tensor:
     """The kernels as they are (the conformance harness measures them raw): query [1, h, Tq, d], key [1, hkv, T, d],
-    value [1, hkv, T, dv] -> [1, h, Tq, dv]."""
-    from cudnn.flex_attention import flex_attn_func
+    value [1, hkv, T, dv] -> [1, h, Tq, dv]. Launched per call without the frontend's Python
+    (:mod:`megatron_tree.attention.cudnn_flex_kernels`)."""
+    from megatron_tree.attention.cudnn_flex_kernels import flex_attention
 
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BSHD views, last dim contiguous
     backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     plan = mask.plan(q, k, v, backward)
     if mask.cu_seqlens is None:
-        return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=softmax_scale).transpose(1, 2)
+        return flex_attention(q, k, v, plan, softmax_scale, mask.launches).transpose(1, 2)
     # squeeze, not [0]: select's backward would allocate, zero and copy into a whole new dQ / dK / dV
     thd = (x.squeeze(0) for x in (q, k, v))
-    return flex_attn_func(*thd, mask_plan=plan, softmax_scale=softmax_scale).unsqueeze(0).transpose(1, 2)
+    return flex_attention(*thd, plan, softmax_scale, mask.launches).unsqueeze(0).transpose(1, 2)
 
 
 def cudnn_flex_tree_attention(

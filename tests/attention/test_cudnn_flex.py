@@ -15,7 +15,7 @@ import pytest
 import torch
 from forests import random_subtree_end
 
-from kernel_reference import bf16_inputs, dense_attention, fwd_bwd, gpu_tree, rel_errors
+from kernel_reference import bf16_inputs, dense_attention, frontend_flex, fwd_bwd, gpu_tree, rel_errors
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.attention import tree_attention
 from megatron_tree.attention.cudnn_flex import (
@@ -243,6 +243,38 @@ def test_cudnn_flex_matches_dense_reference(kind, heads, kv_heads, d, query_slot
     got = rel_errors(fwd_bwd(lambda q, k, v: _flex(q, k, v, prepared, scale), base, torch.bfloat16), ref)
     for name, e, e_dense in zip(("out", "dq", "dk", "dv"), got, dense_bf16):
         assert e <= 2 * e_dense + 1e-4, f"{name}: cuDNN flex rel err {e:.2e} vs dense bf16 {e_dense:.2e}"
+
+
+@requires_cudnn_flex
+@pytest.mark.parametrize("kind", ["grpo", "many_trees"])
+@pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (8, 8, 64)])
+@pytest.mark.parametrize("query_slots", [False, True])
+def test_cudnn_flex_launches_match_the_frontend(kind, heads, kv_heads, d, query_slots):
+    """The backend's launches (cudnn_flex_kernels: the frontend's Python once per geometry) against the frontend's own
+    ``flex_attn_func`` on the same plan and inputs, on the call that records a geometry and on two that launch it:
+    the forward bit for bit (with and without autograd), the gradients within bf16 rounding (GQA's dK / dV, and dQ,
+    are fp32 atomic sums in no fixed order; a wrong argument is off by far more)."""
+    end = _many_trees() if kind == "many_trees" else gpu_tree(kind)
+    t = end.shape[0]
+    slots = None
+    if query_slots:
+        slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))[: t // 3]
+    tq = t if slots is None else slots.numel()
+    base = bf16_inputs(t, tq, heads, kv_heads, d, seed=4)
+    scale = d ** -0.5
+    prepared = cudnn_flex_tree_mask(end, slots)
+    ref = fwd_bwd(lambda q, k, v: frontend_flex(q, k, v, prepared, scale), base, torch.bfloat16)
+    for call in ("recorded", "launched", "launched again"):
+        got = fwd_bwd(lambda q, k, v: _flex(q, k, v, prepared, scale), base, torch.bfloat16)
+        assert torch.equal(got[0], ref[0]), f"{call} call: its forward differs from the frontend's"
+        for name, e in zip(("dq", "dk", "dv"), rel_errors(got[1:], ref[1:])):
+            assert e <= 4e-3, f"{call} call: {name} is {e:.2e} (relative) from the frontend's"
+    assert len(prepared.launches) == 2, "one forward and one backward geometry, resolved once"
+    q, k, v = (x.bfloat16() for x in base[:3])
+    with torch.no_grad():
+        for call in ("recorded", "launched"):
+            got, want = _flex(q, k, v, prepared, scale), frontend_flex(q, k, v, prepared, scale)
+            assert torch.equal(got, want), f"{call} call without autograd: its forward differs from the frontend's"
 
 
 @requires_cudnn_flex
