@@ -78,10 +78,12 @@ PROVEN = ProvenShapes.grid(head_dims=(64, 128), gqa_ratios=(1, 2, 4, 8), dtypes=
 """Where the kernels of :data:`CUDNN_FRONTEND_VERSION` were proven exact, in both of this module's calls (one varlen
 sequence per tree; query slots as one sequence) (forward and backward against the dense fp64 reference,
 :mod:`megatron_tree.attention.conformance`): bf16 on Hopper, head dims 64 and 128 with MHA and GQA 2:1, 4:1, 8:1.
-Every other call (other head dims, fp16, a v head dim of its own, other GPU generations) is refused. ``auto`` does
-not pick it: on an H100 its per-tree call is 2-16% faster than FA4's, but the 0.6B shape's tree step is 1% faster to
-5% slower on GRPO trees and 12-17% slower on multi-turn trees (more host time per call, host syncs in the mask
-build; docs/results.md)."""
+Every other call (other head dims, fp16, a v head dim of its own, other GPU generations) is refused. The launches of
+:mod:`megatron_tree.attention.cudnn_flex_kernels` were checked against the frontend's own call on an H100
+(te/cudnn_flex_tests_launch_h100.txt). ``auto`` does not pick it: on an H100 its per-tree call is 2-16% faster than
+FA4's, but the 0.6B shape's tree step was 1% faster to 5% slower on GRPO trees and 12-17% slower on multi-turn trees
+with the frontend's per-call Python, and with the launches 2-4% slower on GRPO and 13-18% faster on multi-turn on a
+machine whose steps spread up to 32% (docs/results.md): not settled."""
 
 
 def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
