@@ -223,17 +223,23 @@ def _many_trees() -> torch.Tensor:
     return end.cuda()
 
 
+def _tree_and_query_slots(kind: str, query_slots: bool, seed: int, share: int):
+    """``subtree_end`` of a ``kind`` micro-batch on the GPU and, with ``query_slots``, a random 1 / ``share`` of its
+    slots as the queries (else None: every slot)."""
+    end = _many_trees() if kind == "many_trees" else gpu_tree(kind)
+    if not query_slots:
+        return end, None
+    t = end.shape[0]
+    return end, torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))[: t // share]
+
+
 @requires_cudnn_flex
 @pytest.mark.parametrize("kind", ["grpo", "multi_turn", "many_trees"])
 @pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (8, 8, 64)])
 @pytest.mark.parametrize("query_slots", [False, True])
 def test_cudnn_flex_matches_dense_reference(kind, heads, kv_heads, d, query_slots):
-    end = _many_trees() if kind == "many_trees" else gpu_tree(kind)
-    t = end.shape[0]
-    slots = None
-    if query_slots:
-        slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))[: t // 2]
-    tq = t if slots is None else slots.numel()
+    end, slots = _tree_and_query_slots(kind, query_slots, seed=3, share=2)
+    t, tq = end.shape[0], end.shape[0] if slots is None else slots.numel()
     base = bf16_inputs(t, tq, heads, kv_heads, d)
     scale = d ** -0.5
     mask = dense_tree_mask(end, slots)
@@ -254,12 +260,8 @@ def test_cudnn_flex_launches_match_the_frontend(kind, heads, kv_heads, d, query_
     ``flex_attn_func`` on the same plan and inputs, on the call that records a geometry and on two that launch it:
     the forward bit for bit (with and without autograd), the gradients within bf16 rounding (GQA's dK / dV, and dQ,
     are fp32 atomic sums in no fixed order; a wrong argument is off by far more)."""
-    end = _many_trees() if kind == "many_trees" else gpu_tree(kind)
-    t = end.shape[0]
-    slots = None
-    if query_slots:
-        slots = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))[: t // 3]
-    tq = t if slots is None else slots.numel()
+    end, slots = _tree_and_query_slots(kind, query_slots, seed=5, share=3)
+    t, tq = end.shape[0], end.shape[0] if slots is None else slots.numel()
     base = bf16_inputs(t, tq, heads, kv_heads, d, seed=4)
     scale = d ** -0.5
     prepared = cudnn_flex_tree_mask(end, slots)
