@@ -9,8 +9,8 @@ Transformer Engine). The Megatron ``core_attention`` module built on it is
 - :mod:`~megatron_tree.attention.conformance`: the GPU check that proves them.
 - :mod:`~megatron_tree.attention.availability`: whether an optional kernel package runs here (pinned release, GPU).
 - :mod:`~megatron_tree.attention.dense`, :mod:`~megatron_tree.attention.flex`, :mod:`~megatron_tree.attention.fa4`
-  (with :mod:`~megatron_tree.attention.fa4_kernels`), :mod:`~megatron_tree.attention.cudnn_flex`,
-  :mod:`~megatron_tree.attention.te_chains`: the backends.
+  (with :mod:`~megatron_tree.attention.fa4_kernels`), :mod:`~megatron_tree.attention.cudnn_flex` (with
+  :mod:`~megatron_tree.attention.cudnn_flex_kernels`), :mod:`~megatron_tree.attention.te_chains`: the backends.
 """
 
 import warnings

@@ -5,7 +5,8 @@ one small function per problem, each naming the versions that need it and checki
 this process does. Feature code that reaches into upstream internals lives with its feature: the
 mbridge hooks tree training is built on (:mod:`megatron_tree.mcore.bridge_hooks`), the MoE router
 statistics weighting (:mod:`megatron_tree.mcore.router_stats`), FA4's tree mask and per-query-head
-backward (:mod:`megatron_tree.attention.fa4_kernels`), the CPU shim (:mod:`megatron_tree.runtime.cpu`).
+backward (:mod:`megatron_tree.attention.fa4_kernels`), cuDNN frontend's flex kernels launched without its per-call
+Python (:mod:`megatron_tree.attention.cudnn_flex_kernels`), the CPU shim (:mod:`megatron_tree.runtime.cpu`).
 Nothing is applied at import: use the context manager ::
 
     with apply_compat_patches():
