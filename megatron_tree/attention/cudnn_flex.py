@@ -81,9 +81,9 @@ sequence per tree; query slots as one sequence) (forward and backward against th
 Every other call (other head dims, fp16, a v head dim of its own, other GPU generations) is refused. The launches of
 :mod:`megatron_tree.attention.cudnn_flex_kernels` were checked against the frontend's own call on an H100
 (te/cudnn_flex_tests_launch_h100.txt). ``auto`` does not pick it: on an H100 its per-tree call is 2-16% faster than
-FA4's, but the 0.6B shape's tree step was 1% faster to 5% slower on GRPO trees and 12-17% slower on multi-turn trees
-with the frontend's per-call Python, and with the launches 2-4% slower on GRPO and 13-18% faster on multi-turn on a
-machine whose steps spread up to 32% (docs/results.md): not settled."""
+FA4's, but the 0.6B shape's tree step is 1% faster to 5% slower on GRPO trees and 12-17% slower on multi-turn trees
+(with the launches too, by the fastest steps of a noisy machine: 4% and 9% slower; the GPU idles more between calls
+with cudnn_flex, the mask build the next suspect; docs/results.md)."""
 
 
 def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
