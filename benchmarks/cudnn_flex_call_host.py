@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kernel_reference import bf16_inputs, frontend_flex, gpu_tree  # noqa: E402
 
-from megatron_tree.attention.cudnn_flex import _flex, cudnn_flex_tree_mask, cudnn_flex_unavailable_reason  # noqa: E402
+from megatron_tree.attention import cudnn_flex  # noqa: E402
 
 
 def timed(fn, calls: int, repeats: int) -> tuple[float, float]:
@@ -51,18 +51,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    reason = cudnn_flex_unavailable_reason()
+    reason = cudnn_flex.cudnn_flex_unavailable_reason()
     if reason is not None:
         sys.exit(f"cudnn_flex_call_host.py: {reason}")
     rows = []
     for max_tokens in args.tokens:
         end = gpu_tree("grpo", max_tokens=max_tokens)
         t = end.shape[0]
-        prepared = cudnn_flex_tree_mask(end)
+        prepared = cudnn_flex.cudnn_flex_tree_mask(end)
         q, k, v, grad = (x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).bfloat16()
                          for x in bf16_inputs(t, t, 16, 8, 128))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        for path, attend in (("launch", _flex), ("frontend", frontend_flex)):
+        for path, attend in (("launch", cudnn_flex._flex), ("frontend", frontend_flex)):
             def forward():
                 with torch.no_grad():
                     attend(q, k, v, prepared, 128 ** -0.5)

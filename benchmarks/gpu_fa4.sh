@@ -20,7 +20,8 @@
 #                                            # cProfile'd one); files *_backend*
 #   PART=cudnn_profile bash benchmarks/gpu_fa4.sh  # the kernels of one tree call and their times: cuDNN flex next to
 #                                            # causal cuDNN (cudnn_flex_kernel_profile.py) and FA4's
-#                                            # (fa4_kernel_profile.py), where the per-pair gap to causal cuDNN goes
+#                                            # (fa4_kernel_profile.py), where the per-pair gap to causal cuDNN goes;
+#                                            # then the host time of one cudnn_flex call (cudnn_flex_call_host.py)
 # Outputs under $OUT (default benchmarks/results/te).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,8 @@ elif [ "$PART" = cudnn_profile ]; then
   timeout 200 python3 benchmarks/cudnn_flex_kernel_profile.py --out "$OUT/cudnn_flex_profile_$tag.txt" 2>&1 \
     | grep -v -i warn | tail -2
   timeout 200 python3 benchmarks/fa4_kernel_profile.py --out "$OUT/fa4_profile_$tag.txt" 2>&1 | grep -v -i warn | tail -3
+  timeout 100 python3 benchmarks/cudnn_flex_call_host.py --out "$OUT/cudnn_flex_call_host_$tag.json" 2>&1 \
+    | grep -v -i warn | tail -8
 else
   common="--model qwen3-0.6b --workloads long_multi_turn --max-tokens-per-mb 65536 --recompute full --warmup 1 --steps 2 --no-profile"
   timeout 420 python3 benchmarks/e2e_bench.py $common --attention-backend auto --out "$OUT/e2e_long_fa4.json" 2>&1 \

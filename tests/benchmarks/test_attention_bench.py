@@ -1,9 +1,11 @@
 """attention_bench.tile_ceiling: 1 on a causal chain; below 1 by exactly the masked share of the visited tiles.
 tile_layouts.relayout: the layouts it counts are the same forest; tile_layouts.root_paths: its node and tile counts;
-cudnn_flex_kernel_profile: its refusal where the kernels cannot run."""
+cudnn_flex_kernel_profile and cudnn_flex_call_host: their refusal where the kernels cannot run."""
 
+import importlib
 import sys
 
+import pytest
 import torch
 from dist_utils import REPO_ROOT
 
@@ -126,15 +128,13 @@ def test_tile_layouts_root_paths_counts_each_node_as_a_bottom_right_causal_seque
     assert root_paths(end, pairs)["ceiling"] == tile_ceiling(pairs, visited, 12, 4)
 
 
-def test_cudnn_flex_kernel_profile_says_why_it_cannot_run(monkeypatch, tmp_path):
-    """``cudnn_flex_kernel_profile.py`` where the cudnn_flex kernels cannot run (no GPU, no frontend): it exits with the
-    backend's reason and writes nothing."""
-    import pytest
-
-    import cudnn_flex_kernel_profile as profile
-
-    monkeypatch.setattr(profile.cudnn_flex, "cudnn_flex_unavailable_reason", lambda: "no kernels here")
-    monkeypatch.setattr(sys, "argv", ["cudnn_flex_kernel_profile.py", "--out", str(tmp_path / "p.txt")])
+@pytest.mark.parametrize("script", ["cudnn_flex_kernel_profile", "cudnn_flex_call_host"])
+def test_cudnn_flex_benches_say_why_they_cannot_run(script, monkeypatch, tmp_path):
+    """The cudnn_flex benches where its kernels cannot run (no GPU, no frontend): each exits with the backend's reason
+    and writes nothing."""
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(bench.cudnn_flex, "cudnn_flex_unavailable_reason", lambda: "no kernels here")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--out", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="no kernels here"):
-        profile.main()
-    assert not (tmp_path / "p.txt").exists()
+        bench.main()
+    assert not (tmp_path / "out").exists()
