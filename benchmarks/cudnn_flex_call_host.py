@@ -5,7 +5,8 @@ The backend resolves each geometry once with the frontend's code and then launch
 on one GPU, the host time to queue one call (``host_us``: ``calls`` calls queued back to back with no sync inside,
 divided by ``calls``) and the wall time per call once the GPU has finished (``wall_us``). A call whose host time is
 above its wall time is host-bound there. Both are measured forward alone (``torch.no_grad``, as the forward-only
-passes run it) and forward + backward, on packed GRPO trees of about ``--tokens`` slots (16 query / 8 K/V heads,
+passes run it) and forward + backward, on the fullest micro-batch of the GPU tests' GRPO batch packed at each
+``--tokens`` (that batch holds 3,818 tokens: 2,000 slots at 3,000, all of it at 16,000; 16 query / 8 K/V heads,
 d = 128, Megatron's token-major memory), one varlen sequence per tree.
 
     python benchmarks/cudnn_flex_call_host.py --out benchmarks/results/te/cudnn_flex_call_host.json
@@ -46,7 +47,7 @@ def timed(fn, calls: int, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[3000, 16000], help="micro-batch sizes to pack")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[3000, 16000], help="micro-batch sizes (max tokens) to pack the batch at")
     ap.add_argument("--calls", type=int, default=28, help="calls per timing (a model's layers)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", required=True)
