@@ -10,16 +10,20 @@ from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
 
 
 def gpu_tree(kind: str, max_tokens: int = 3000) -> torch.Tensor:
-    """``subtree_end`` int32 [T] on the GPU of one packed micro-batch: ``"grpo"`` (siblings after a long shared
-    prompt) or ``"multi_turn"`` (deep, branching trees with short nodes)."""
+    """``subtree_end`` int32 [T] on the GPU of :func:`tree_micro_batch`."""
+    return tree_micro_batch(kind, max_tokens).attention_mask[0].cuda()
+
+
+def tree_micro_batch(kind: str, max_tokens: int = 3000):
+    """One packed micro-batch (on the CPU): ``"grpo"`` (siblings after a long shared prompt) or ``"multi_turn"`` (deep,
+    branching trees with short nodes)."""
     rng = np.random.default_rng(7)
     if kind == "grpo":
         seqs = grpo_batch(rng, n_prompts=2, samples=(4, 8), prompt_len=(300, 900), response_len=(20, 400), vocab=1000)
     else:
         seqs = multi_turn_batch(rng, n_conversations=3, turns=(4, 10), turn_len=(5, 120), fork_prob=0.4,
                                 system_len=200, vocab=1000)
-    mb = pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))[0]
-    return mb.attention_mask[0].cuda()
+    return pack_trees(seqs, MicroBatchSpec(max_tokens_per_mb=max_tokens))[0]
 
 
 def fwd_bwd(fn, base, dtype):

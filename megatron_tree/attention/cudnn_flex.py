@@ -28,6 +28,14 @@ kept in the :class:`CudnnFlexTreeMask`, so the layers of a model share one; so a
 geometry, resolved once by the frontend's own code and then launched without its per-call Python
 (:mod:`megatron_tree.attention.cudnn_flex_kernels`).
 
+The mask's and the plans' host syncs (the trees' first slots, the interval count, the plan's tile counts) would wait
+for everything queued on the compute stream, the previous micro-batch's backward included, and leave the GPU idle
+while the host then builds the plan. A mask that came with its host copy (``TreeMicroBatch.to`` notes it,
+:mod:`megatron_tree.core.host_checks`) is built off that stream: intervals and segments on the CPU, copied to the
+GPU and planned on a side stream, so each sync waits only for the build's own kernels while the compute stream runs
+on. The compute stream waits for the build on the GPU (no host sync), and the build's tensors are recorded as used by
+it (``record_stream``), so their memory is not reused while its kernels may still read them.
+
 bf16 / fp16 only (the kernels have no fp32 path). Trusted only where a GPU test compared its gradients
 (:data:`PROVEN`); every other call is refused and ``auto`` sends it to a backend proven there. No sliding
 window, no attention dropout.
@@ -42,6 +50,7 @@ import torch
 from megatron_tree.attention.availability import pinned_import_problem, unavailable_reason
 from megatron_tree.attention.flex import _check_qkv, _check_subtree_end
 from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
+from megatron_tree.core import host_checks
 from megatron_tree.core.masks import tree_parents
 
 __all__ = [
@@ -204,7 +213,8 @@ class CudnnFlexTreeMask:
     :func:`tree_segments`: the varlen call, one sequence per tree, ``max_seqlen`` its longest), else
     :func:`tree_intervals`' (one sequence); ``num_slots`` T, ``num_queries`` Tq; ``plans``: the cuDNN mask plans built
     so far, by (h, hkv, d, dv, dtype, with backward); ``launches``: the kernel launches resolved for them so far
-    (:func:`megatron_tree.attention.cudnn_flex_kernels.flex_attention`).
+    (:func:`megatron_tree.attention.cudnn_flex_kernels.flex_attention`); ``stream``: the side stream the mask was
+    copied to the GPU on and its plans are built on (module docstring), None for the current stream.
     """
 
     intervals: torch.Tensor
@@ -214,36 +224,98 @@ class CudnnFlexTreeMask:
     max_seqlen: int = 0
     plans: dict = field(default_factory=dict)
     launches: dict = field(default_factory=dict)
+    stream: torch.cuda.Stream | None = None
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool):
         """The mask plan for q ``[1, Tq, h, d]``, k ``[1, T, hkv, d]``, v ``[1, T, hkv, dv]`` (BSHD); one with backward
-        payloads serves forward-only calls too."""
-        from cudnn.flex_attention import create_mask_plan
-
+        payloads serves forward-only calls too. The plan reads only q / k / v's shapes, so it may be built on
+        :attr:`stream` while the compute stream is still writing them."""
         shape = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.dtype)
         found = self.plans.get((*shape, True)) or (None if backward else self.plans.get((*shape, False)))
         if found is None:
-            if self.cu_seqlens is None:
-                found = create_mask_plan(self.intervals, q, k, v, build_backward=backward)
-            else:  # THD [T, heads, d]
-                found = create_mask_plan(self.intervals, *(x.squeeze(0) for x in (q, k, v)),
-                                         cu_seqlens_q=self.cu_seqlens, cu_seqlens_k=self.cu_seqlens,
-                                         max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen,
-                                         build_backward=backward)
+            if self.stream is None:
+                found = self._build_plan(q, k, v, backward)
+            else:
+                with torch.cuda.stream(self.stream):
+                    found = self._build_plan(q, k, v, backward)
+                _hand_over(found, self.stream, torch.cuda.current_stream(q.device))
             self.plans[(*shape, backward)] = found
         return found
+
+    def _build_plan(self, q, k, v, backward: bool):
+        from cudnn.flex_attention import create_mask_plan
+
+        if self.cu_seqlens is None:
+            return create_mask_plan(self.intervals, q, k, v, build_backward=backward)
+        return create_mask_plan(self.intervals, *(x.squeeze(0) for x in (q, k, v)),  # THD [T, heads, d]
+                                cu_seqlens_q=self.cu_seqlens, cu_seqlens_k=self.cu_seqlens,
+                                max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen, build_backward=backward)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+"""One side stream per device for the masks built from a host copy (module docstring)."""
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _device_tensors(obj, device: torch.device) -> list[torch.Tensor]:
+    """Every tensor on ``device`` that ``obj`` holds, through attributes, slots, tuples, lists and dicts (each object
+    once)."""
+    found, seen, todo = [], set(), [obj]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen or item is None or isinstance(item, (str, bytes, int, float, bool, torch.dtype,
+                                                                   torch.device, type)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.device == device:
+                found.append(item)
+        elif isinstance(item, (tuple, list, set, frozenset)):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        else:
+            todo.extend(vars(item).values() if hasattr(item, "__dict__") else ())
+            todo.extend(getattr(item, name, None) for cls in type(item).__mro__
+                        for name in getattr(cls, "__slots__", ()))
+    return found
+
+
+def _hand_over(obj, side: torch.cuda.Stream, main: torch.cuda.Stream) -> None:
+    """Let ``main`` use what was built on ``side``: ``main`` waits for ``side``'s work so far (on the GPU, no host
+    sync) and every CUDA tensor of ``obj`` is recorded as used by ``main`` (its memory is not reused before ``main``'s
+    work queued so far is done)."""
+    main.wait_stream(side)
+    for tensor in _device_tensors(obj, main.device):
+        tensor.record_stream(main)
 
 
 def cudnn_flex_tree_mask(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> CudnnFlexTreeMask:
     """The cuDNN flex mask of a tree micro-batch: ``subtree_end`` int [T] or [1, T], ``query_slots`` int [Tq] or None
     (None: one varlen sequence per tree; query slots: one sequence). Host syncs: the interval count; without query
-    slots also the trees' first slots (:func:`tree_segments`) and the longest tree."""
+    slots also the trees' first slots (:func:`tree_segments`) and the longest tree. A CUDA ``subtree_end`` whose host
+    copy ``TreeMicroBatch.to`` noted, without query slots, is built from that copy on a side stream (module
+    docstring): no sync with the compute stream."""
     end = _check_subtree_end(subtree_end)
     if query_slots is not None:
         intervals = tree_intervals(end, query_slots)
         return CudnnFlexTreeMask(intervals, end.shape[0], intervals.shape[-1])
-    cu = tree_segments(end)
-    return CudnnFlexTreeMask(segment_intervals(end, cu), end.shape[0], end.shape[0], cu, int(cu.diff().max()))
+    host = host_checks.recall(subtree_end, "host_copy") if end.is_cuda else None
+    source = end if host is None else _check_subtree_end(host)
+    cu = tree_segments(source)
+    intervals, longest = segment_intervals(source, cu), int(cu.diff().max())
+    if host is None:
+        return CudnnFlexTreeMask(intervals, end.shape[0], end.shape[0], cu, longest)
+    side = _side_stream(end.device)
+    with torch.cuda.stream(side):
+        intervals, cu = (x.pin_memory().to(end.device, non_blocking=True) for x in (intervals, cu))
+    _hand_over((intervals, cu), side, torch.cuda.current_stream(end.device))
+    return CudnnFlexTreeMask(intervals, end.shape[0], end.shape[0], cu, longest, stream=side)
 
 
 def _flex(query, key, value, mask: CudnnFlexTreeMask, softmax_scale: float) -> torch.Tensor:

@@ -3,7 +3,9 @@
 A GPU kernel's value checks (an interval vector's ends, a label's range) read the tensor back: a host sync, which
 drains the launch queue. :class:`~megatron_tree.core.microbatch.TreeMicroBatch.to` checks its masks and measures its
 labels' and slots' ranges on the CPU copy and :func:`remember` s the results on the tensors it moves; the checks
-(tree attention's mask check, the log-prob kernel's range check) :func:`recall` them and skip the sync.
+(tree attention's mask check, the log-prob kernel's range check) :func:`recall` them and skip the sync. The attention
+mask's CPU copy itself is noted as ``host_copy``, for what is cheaper to derive on the host than to read back
+(:mod:`megatron_tree.attention.cudnn_flex`'s intervals).
 
 A fact holds for one tensor object as long as it is not modified in place (its version counter): a view, a slice,
 a copy or an in-place edit has none, and is checked again the slow way. Facts go with their tensor when it is freed.

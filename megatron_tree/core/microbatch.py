@@ -205,7 +205,8 @@ class TreeMicroBatch:
         """Copy of this micro-batch with every tensor field on ``device`` (host-side fields shared). Moving from the
         CPU, the masks' interval check and the log-prob slots' and labels' ranges are computed on the CPU copy and
         noted on the moved tensors (:mod:`~megatron_tree.core.host_checks`): the kernels' input checks then need no
-        host sync."""
+        host sync. The attention mask's host copy is noted too (``host_copy``): the cudnn_flex backend builds its
+        mask from it off the compute stream."""
         moved = {
             f.name: value.to(device, non_blocking=non_blocking)
             for f in dataclasses.fields(self)
@@ -217,6 +218,8 @@ class TreeMicroBatch:
                 continue
             if name in ("attention_mask", "context_mask") and host_checks.interval_vector_ok(source):
                 host_checks.remember(tensor, interval_vector=True)
+                if name == "attention_mask":  # what a backend may build its mask from without a host sync
+                    host_checks.remember(tensor, host_copy=source.clone())
             elif name in ("logprob_slots", "logprob_labels"):
                 host_checks.remember(tensor, value_range=host_checks.value_range(source))
         return dataclasses.replace(self, **moved)

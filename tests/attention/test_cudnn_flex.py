@@ -15,7 +15,7 @@ import pytest
 import torch
 from forests import random_subtree_end
 
-from kernel_reference import bf16_inputs, dense_attention, frontend_flex, fwd_bwd, gpu_tree, rel_errors
+from kernel_reference import bf16_inputs, dense_attention, frontend_flex, fwd_bwd, gpu_tree, rel_errors, tree_micro_batch
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.attention import tree_attention
 from megatron_tree.attention.cudnn_flex import (
@@ -183,6 +183,38 @@ def test_mask_plans_are_built_once_per_shape_and_kind(monkeypatch):
     assert chunk.plan(q[:, 4:], k, v, True) == "plan5" and built[-1][0] == (1, 5, 8, 64) and built[-1][4] == {}
 
 
+def test_the_tensors_a_plan_holds_are_all_found():
+    """What the side stream's build hands over to the compute stream (``record_stream``): every tensor on the device,
+    through dataclass fields, slots, named tuples, lists and dicts, cycles and shared objects once; none elsewhere."""
+    import dataclasses
+    from typing import NamedTuple
+
+    from megatron_tree.attention.cudnn_flex import _device_tensors
+
+    meta = torch.device("meta")
+    a, b, c, d, e = (torch.empty(i + 1, device=meta) for i in range(5))
+
+    class Slotted:
+        __slots__ = ("x", "y")
+
+    class Pair(NamedTuple):
+        first: object
+        second: object
+
+    @dataclasses.dataclass
+    class Plan:
+        topology: object
+        payloads: dict
+        cycle: object = None
+
+    slotted = Slotted()
+    slotted.x = Pair(b, [c, torch.empty(3)])  # a CPU tensor: not held on the device
+    plan = Plan(topology=slotted, payloads={"p": d, "q": (d[:1], None, 3, "s")})
+    plan.cycle = plan
+    found = _device_tensors((a, plan, {"e": e}), meta)
+    assert sorted(x.numel() for x in found) == [1, 1, 2, 3, 4, 5] and all(x.device == meta for x in found)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_refused_without_a_gpu_with_the_reason():
     assert "needs a CUDA GPU" in cudnn_flex_unavailable_reason()
@@ -290,3 +322,46 @@ def test_cudnn_flex_wrong_mask_is_caught():
     prepared = cudnn_flex_tree_mask(end)
     got = rel_errors(fwd_bwd(lambda q, k, v: _flex(q, k, v, prepared, 128 ** -0.5), base, torch.bfloat16), ref)
     assert got[0] > 0.05
+
+
+@requires_cudnn_flex
+@pytest.mark.parametrize("kind", ["grpo", "multi_turn"])
+def test_a_mask_with_its_host_copy_is_built_off_the_compute_stream(kind):
+    """``TreeMicroBatch.to`` notes the attention mask's host copy; the backend builds the mask from it and plans it on
+    a side stream. With the compute stream held busy, the mask and its plan are built without waiting for it; the
+    attention then gives the forward of the mask built the plain way (on the compute stream, with host syncs) bit for
+    bit and its gradients within bf16 rounding. Every block of GPU memory the build left allocated on the side stream
+    is a tensor of the mask or the plan, which the compute stream's use was recorded on (else the allocator could hand
+    it to the next build while the compute stream still reads it)."""
+    from megatron_tree.attention.cudnn_flex import _device_tensors, _side_stream
+
+    moved = tree_micro_batch(kind).to("cuda")
+    end = moved.attention_mask
+    t, heads, kv_heads, d = end.shape[1], 16, 8, 128
+    base = bf16_inputs(t, t, heads, kv_heads, d, seed=6)
+    scale = d ** -0.5
+    plain = cudnn_flex_tree_mask(end[0].clone())  # a new tensor: no host copy noted
+    assert plain.stream is None
+    ref = fwd_bwd(lambda q, k, v: _flex(q, k, v, plain, scale), base, torch.bfloat16)  # also compiles the kernels
+
+    side = _side_stream(end.device)
+
+    def side_blocks() -> set[int]:
+        return {block["address"] for segment in torch.cuda.memory_snapshot() if segment["stream"] == side.cuda_stream
+                for block in segment["blocks"] if block["state"] == "active_allocated"}
+
+    before = side_blocks()
+    q, k, v = (x.bfloat16().transpose(1, 2).requires_grad_() for x in base[:3])
+    torch.cuda._sleep(2_000_000_000)  # about a second of the compute stream
+    mask = cudnn_flex_tree_mask(end)
+    plan = mask.plan(q, k, v, True)
+    assert mask.stream is side
+    assert not torch.cuda.current_stream().query(), "the build waited for the compute stream"
+    torch.cuda.synchronize()
+    held = {x.untyped_storage().data_ptr() for x in _device_tensors((mask, plan), end.device)}
+    left = side_blocks() - before
+    assert left and left <= held, f"{len(left - held)} blocks on the side stream are no tensor of the mask or plan"
+    got = fwd_bwd(lambda q, k, v: _flex(q, k, v, mask, scale), base, torch.bfloat16)
+    assert torch.equal(got[0], ref[0]), "the side stream's mask gives another forward"
+    for name, e in zip(("dq", "dk", "dv"), rel_errors(got[1:], ref[1:])):
+        assert e <= 4e-3, f"{name} is {e:.2e} (relative) from the plain mask's"

@@ -35,6 +35,9 @@ def test_moving_a_micro_batch_notes_its_checks():
     assert host_checks.recall(moved.attention_mask, "interval_vector")
     assert host_checks.recall(moved.logprob_labels, "value_range") == host_checks.value_range(mb.logprob_labels)
     assert host_checks.recall(moved.logprob_slots, "value_range") == host_checks.value_range(mb.logprob_slots)
+    host_copy = host_checks.recall(moved.attention_mask, "host_copy")
+    assert torch.equal(host_copy, mb.attention_mask) and host_copy.device.type == "cpu"
+    assert host_copy.data_ptr() != mb.attention_mask.data_ptr()  # a copy: the caller's tensor may change later
     broken = mb.attention_mask.clone()
     broken[0, 3] = 2  # slot 3 ends before itself
     bad = type(mb)(**{**vars(mb), "attention_mask": broken}).to("meta")
