@@ -14,10 +14,10 @@
 #                                            # GQA 1-8:1 (evidence for cudnn_flex.PROVEN; each new shape compiles
 #                                            # its varlen kernels: a few seconds per row on a fresh host)
 #   PART=cudnn_speed bash benchmarks/gpu_fa4.sh  # attention_bench with FA4, cuDNN flex (on Megatron's token-major
-#                                            # q / k / v) and causal cuDNN in one run (GRPO, multi-turn, 128k), then
-#                                            # the 0.6B shape's tree step with cudnn_flex against FA4 (whether auto
-#                                            # should pick it: docs/results.md), each with a profiled step (cudnn_flex also a
-#                                            # cProfile'd one); files *_backend*
+#                                            # q / k / v) and causal cuDNN in one run (GRPO, multi-turn, 128k)
+#   PART=cudnn_step bash benchmarks/gpu_fa4.sh   # cudnn_flex's GPU tests, then the 0.6B shape's tree step with
+#                                            # cudnn_flex against FA4 (whether auto should pick it: docs/results.md),
+#                                            # each with a profiled step (cudnn_flex also a cProfile'd one); files *_backend*
 #   PART=cudnn_profile bash benchmarks/gpu_fa4.sh  # the kernels of one tree call and their times: cuDNN flex next to
 #                                            # causal cuDNN (cudnn_flex_kernel_profile.py) and FA4's
 #                                            # (fa4_kernel_profile.py), where the per-pair gap to causal cuDNN goes;
@@ -47,9 +47,12 @@ elif [ "$PART" = cudnn ]; then
     --head-dims 64 128 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex_per_tree_$tag.json" 2>&1 \
     | grep -v -i warn | grep -v "^Compiled" | tee "$OUT/conformance_cudnn_flex_per_tree_$tag.txt" | tail -3
 elif [ "$PART" = cudnn_speed ]; then
-  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_cudnn_backend" --variants --skip-dense --iters 10 \
-    --warmup 3 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_${tag}_cudnn_backend.log" 2>&1
+  timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_cudnn_backend" --variants --skip-dense --iters 20 \
+    --warmup 5 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_${tag}_cudnn_backend.log" 2>&1
   grep -v -i warn "$OUT/attention_${tag}_cudnn_backend.log" | grep -E "^(grpo|multi|long)"
+elif [ "$PART" = cudnn_step ]; then
+  MEGATRON_TREE_GPU_PASS=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu \
+    tests/attention/test_cudnn_flex.py 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests_$tag.txt"
   for b in cudnn_flex fa4; do  # cProfile'd step for cudnn_flex only (a device call returns at most 8 files)
     timeout 200 python3 benchmarks/e2e_bench.py --model qwen3-0.6b --workloads grpo,multi_turn --modes tree \
       --attention-backend $b --warmup 2 --steps 5 $([ $b = cudnn_flex ] && echo --host-profile) \
