@@ -91,8 +91,8 @@ Every other call (other head dims, fp16, a v head dim of its own, other GPU gene
 :mod:`megatron_tree.attention.cudnn_flex_kernels` were checked against the frontend's own call on an H100
 (te/cudnn_flex_tests_launch_h100.txt). ``auto`` does not pick it: on an H100 its per-tree call is 2-16% faster than
 FA4's, but the 0.6B shape's tree step is 1% faster to 5% slower on GRPO trees and 12-17% slower on multi-turn trees
-(with the launches too, by the fastest steps of a noisy machine: 4% and 9% slower; the GPU idles more between calls
-with cudnn_flex, the mask build the next suspect; docs/results.md)."""
+(with the launches too, by the fastest steps of a noisy machine: 4% and 9% slower; with the mask also built off the
+compute stream, 3% faster on GRPO and even on multi-turn, one noisy H100: not settled; docs/results.md)."""
 
 
 def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None = None) -> torch.Tensor:
