@@ -288,8 +288,8 @@ def _device_tensors(obj, device: torch.device) -> list[torch.Tensor]:
 
 def _hand_over(obj, side: torch.cuda.Stream, main: torch.cuda.Stream) -> None:
     """Let ``main`` use what was built on ``side``: ``main`` waits for ``side``'s work so far (on the GPU, no host
-    sync) and every CUDA tensor of ``obj`` is recorded as used by ``main`` (its memory is not reused before ``main``'s
-    work queued so far is done)."""
+    sync) and every tensor of ``obj`` on its device is recorded as used by ``main`` (its memory is not reused before
+    ``main``'s work queued so far is done)."""
     main.wait_stream(side)
     for tensor in _device_tensors(obj, main.device):
         tensor.record_stream(main)

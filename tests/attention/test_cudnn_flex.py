@@ -15,7 +15,15 @@ import pytest
 import torch
 from forests import random_subtree_end
 
-from kernel_reference import bf16_inputs, dense_attention, frontend_flex, fwd_bwd, gpu_tree, rel_errors, tree_micro_batch
+from kernel_reference import (
+    bf16_inputs,
+    dense_attention,
+    frontend_flex,
+    fwd_bwd,
+    gpu_tree,
+    rel_errors,
+    tree_micro_batch,
+)
 from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.attention import tree_attention
 from megatron_tree.attention.cudnn_flex import (
