@@ -43,6 +43,7 @@ window, no attention dropout.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -252,14 +253,10 @@ class CudnnFlexTreeMask:
                                 max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen, build_backward=backward)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-"""One side stream per device for the masks built from a host copy (module docstring)."""
-
-
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    """The one side stream per device for the masks built from a host copy (module docstring)."""
+    return torch.cuda.Stream(device)
 
 
 def _device_tensors(obj, device: torch.device) -> list[torch.Tensor]:
