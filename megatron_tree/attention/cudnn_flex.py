@@ -52,7 +52,7 @@ from megatron_tree.attention.availability import pinned_import_problem, unavaila
 from megatron_tree.attention.flex import _check_qkv, _check_subtree_end
 from megatron_tree.attention.shapes import AttentionShape, ProvenShapes
 from megatron_tree.core import host_checks
-from megatron_tree.core.masks import tree_parents
+from megatron_tree.core.masks import tree_depths
 
 __all__ = [
     "CUDNN_FRONTEND_VERSION",
@@ -106,22 +106,25 @@ def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None =
 
     A *run start* is a slot whose parent is not the slot before it (a root, or a child after a sibling's
     subtree); the runs of a query's path begin at its run-start ancestors-or-self, and a run ends one past the
-    parent of the next run's start. One host sync (M, and whether a root run needs a leading empty interval).
+    parent of the next run's start. Host syncs: the run starts and branch slots (counts), M and whether a root run needs
+    a leading empty interval.
     """
     end = _check_subtree_end(subtree_end).long()
     t = end.shape[0]
     slot = torch.arange(t, device=end.device)
-    parent = tree_parents(end)
-    starts = parent != slot - 1
-    starts[0] = True
-    # runs[i]: run starts among i's ancestors-or-self (j <= i < end[j]); +1 at j, -1 at end[j], prefix sum.
+    depth = tree_depths(end)
+    starts = torch.ones_like(slot, dtype=torch.bool)
+    starts[1:] = end[:-1] <= slot[1:]  # the slot before is not its parent (not an ancestor at all)
     first = slot[starts]
+    parent = torch.full_like(slot, -1)  # set at the run starts, the only slots whose parent is read below
+    parent[first] = _run_start_parents(end, depth, first)
+    # runs[i]: run starts among i's ancestors-or-self (j <= i < end[j]); +1 at j, -1 at end[j], prefix sum.
     delta = torch.zeros(t + 1, dtype=torch.long, device=end.device)
     delta.index_add_(0, first, torch.ones_like(first))
     delta.index_add_(0, end[starts], -torch.ones_like(first))
     runs = delta.cumsum(0)[:t]
     run_start = torch.where(starts, slot, -1).cummax(0).values  # the run holding each slot begins here
-    root = torch.where(parent < 0, slot, -1).cummax(0).values  # the root of each slot's tree
+    root = torch.where(depth == 0, slot, -1).cummax(0).values  # the root of each slot's tree
     rows = slot if query_slots is None else query_slots.reshape(-1).long()
     runs, tq = runs[rows], rows.shape[0]
     top = runs.max()
@@ -144,13 +147,31 @@ def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None =
     return endpoints[None]
 
 
+def _run_start_parents(end: torch.Tensor, depth: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The parent slot (-1 for a root) of each run start ``first`` int64 [R] (slots whose parent is not the slot
+    before), from ``end`` int64 [T] and ``depth`` (:func:`~megatron_tree.core.masks.tree_depths`) [T].
+
+    A non-root run start s of depth d is a later child: its parent is the last slot before s of depth d - 1
+    (DFS pre-order, as :func:`~megatron_tree.core.masks.window_starts` finds ancestors), and that slot has two
+    children or more (s and the slot after it). So the search runs over those *branch slots*, sorted by (depth,
+    slot), not over every slot: at 16k slots a few dozen of them (one host sync, the count)."""
+    t = end.shape[0]
+    slot = torch.arange(t - 1, device=end.device)
+    # j branches: j + 1 is its child (end[j] > j + 1) and j's subtree goes on after that child's (end[j + 1] < end[j])
+    branch = slot[(end[:-1] > slot + 1) & (end[1:] < end[:-1])]
+    key = torch.cat([end.new_full((1,), -1), (depth[branch] * (t + 1) + branch).sort().values])  # -1: below all
+    target = (depth[first] - 1).clamp_min(0) * (t + 1)
+    found = key[torch.searchsorted(key, target + first) - 1] - target  # the last key below (d - 1, s)
+    return torch.where(depth[first] > 0, found, -1)
+
+
 def tree_segments(subtree_end: torch.Tensor) -> torch.Tensor:
     """``cu_seqlens`` int32 ``[S + 1]`` cutting ``subtree_end``'s slots (int [T] or [1, T], not re-checked) at every
     tree's first slot, a run of one-slot trees (the padding) kept in one segment: each tree one sequence of a varlen
     call. ``cu_seqlens[0] = 0``, ``cu_seqlens[-1] = T``."""
     end = subtree_end.reshape(-1).long()
     t = end.shape[0]
-    root = tree_parents(end) < 0
+    root = tree_depths(end) == 0
     single_root = root & (end - torch.arange(t, device=end.device) == 1)
     after_single_root = torch.zeros_like(root)
     after_single_root[1:] = single_root[:-1]
