@@ -22,6 +22,8 @@
 #                                            # causal cuDNN (cudnn_flex_kernel_profile.py) and FA4's
 #                                            # (fa4_kernel_profile.py), where the per-pair gap to causal cuDNN goes;
 #                                            # then the host time of one cudnn_flex call (cudnn_flex_call_host.py)
+#   PART=cudnn_item4 bash benchmarks/gpu_fa4.sh  # cudnn_speed's bench, then cudnn_flex_kernel_profile.py alone: the
+#                                            # per-call ratios and where GRPO's call time goes, in one device call
 # Outputs under $OUT (default benchmarks/results/te).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,10 +48,14 @@ elif [ "$PART" = cudnn ]; then
   timeout 400 python3 -m megatron_tree.attention.conformance --backends cudnn_flex --modes raw --dtypes bf16 \
     --head-dims 64 128 --gqa-ratios 1 2 4 8 --out "$OUT/conformance_cudnn_flex_per_tree_$tag.json" 2>&1 \
     | grep -v -i warn | grep -v "^Compiled" | tee "$OUT/conformance_cudnn_flex_per_tree_$tag.txt" | tail -3
-elif [ "$PART" = cudnn_speed ]; then
+elif [ "$PART" = cudnn_speed ] || [ "$PART" = cudnn_item4 ]; then
   timeout 300 python3 benchmarks/attention_bench.py --out "$OUT" --tag "${tag}_cudnn_backend" --variants --skip-dense --iters 20 \
     --warmup 5 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_${tag}_cudnn_backend.log" 2>&1
   grep -v -i warn "$OUT/attention_${tag}_cudnn_backend.log" | grep -E "^(grpo|multi|long)"
+  if [ "$PART" = cudnn_item4 ]; then
+    timeout 200 python3 benchmarks/cudnn_flex_kernel_profile.py --out "$OUT/cudnn_flex_profile_$tag.txt" 2>&1 \
+      | grep -v -i warn | tail -2
+  fi
 elif [ "$PART" = cudnn_step ]; then
   MEGATRON_TREE_GPU_PASS=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu \
     tests/attention/test_cudnn_flex.py 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | tee "$OUT/cudnn_flex_tests_$tag.txt"
