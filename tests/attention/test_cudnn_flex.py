@@ -28,6 +28,7 @@ from megatron_tree import MicroBatchSpec, pack_trees
 from megatron_tree.attention import tree_attention
 from megatron_tree.attention.cudnn_flex import (
     _flex,
+    _run_start_parents,
     cudnn_flex_available,
     cudnn_flex_tree_mask,
     cudnn_flex_unavailable_reason,
@@ -36,7 +37,7 @@ from megatron_tree.attention.cudnn_flex import (
     tree_intervals,
     tree_segments,
 )
-from megatron_tree.core.masks import dense_tree_mask, tree_parents
+from megatron_tree.core.masks import dense_tree_mask, tree_depths, tree_parents
 from megatron_tree.core.platform import have_transformer_engine
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch
 
@@ -64,6 +65,19 @@ def test_intervals_are_the_tree_mask_on_random_forests(p_extend):
         _check_encoding(end, None)
         slots = torch.randperm(t, generator=torch.Generator().manual_seed(seed))[: max(1, t // 3)]
         _check_encoding(end, slots)
+
+
+@pytest.mark.parametrize("p_extend", [0.3, 0.85, 0.99])
+def test_run_start_parents_are_the_tree_parents(p_extend):
+    """The intervals read parents at run starts only, found among the branch slots: equal to tree_parents' search
+    over every slot, on random forests with padding (one-slot forests and single chains among them)."""
+    for seed in range(100):
+        rng = random.Random(seed)
+        end = random_subtree_end(rng, rng.randint(1, 200), rng.randint(0, 4), p_extend).reshape(-1).long()
+        slot = torch.arange(end.shape[0])
+        parent = tree_parents(end)
+        first = slot[(parent != slot - 1) | (slot == 0)]
+        assert torch.equal(_run_start_parents(end, tree_depths(end), first), parent[first])
 
 
 def test_interval_counts_follow_branches_off_the_first_child_path():
