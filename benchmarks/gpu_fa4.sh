@@ -29,6 +29,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_host_env.sh
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # compiled kernels reused across the processes below
+cudnn_kernel_profile() {  # the kernels of one cudnn_flex call next to causal cuDNN's (PART=cudnn_profile, cudnn_item4)
+  timeout 200 python3 benchmarks/cudnn_flex_kernel_profile.py --out "$OUT/cudnn_flex_profile_$tag.txt" 2>&1 \
+    | grep -v -i warn | tail -2
+}
 python3 -c "from megatron_tree.attention.fa4 import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
 if [ "${PART:-kernel}" = kernel ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/attention/test_fa4_attention.py 2>&1 \
@@ -53,8 +57,7 @@ elif [ "$PART" = cudnn_speed ] || [ "$PART" = cudnn_item4 ]; then
     --warmup 5 --workloads grpo multi_turn long_multi_turn > "$OUT/attention_${tag}_cudnn_backend.log" 2>&1
   grep -v -i warn "$OUT/attention_${tag}_cudnn_backend.log" | grep -E "^(grpo|multi|long)"
   if [ "$PART" = cudnn_item4 ]; then
-    timeout 200 python3 benchmarks/cudnn_flex_kernel_profile.py --out "$OUT/cudnn_flex_profile_$tag.txt" 2>&1 \
-      | grep -v -i warn | tail -2
+    cudnn_kernel_profile
   fi
 elif [ "$PART" = cudnn_step ]; then
   MEGATRON_TREE_GPU_PASS=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu \
@@ -66,8 +69,7 @@ elif [ "$PART" = cudnn_step ]; then
       | tee -a "$OUT/e2e_tree_backends_${tag}_backend.txt"
   done
 elif [ "$PART" = cudnn_profile ]; then
-  timeout 200 python3 benchmarks/cudnn_flex_kernel_profile.py --out "$OUT/cudnn_flex_profile_$tag.txt" 2>&1 \
-    | grep -v -i warn | tail -2
+  cudnn_kernel_profile
   timeout 200 python3 benchmarks/fa4_kernel_profile.py --out "$OUT/fa4_profile_$tag.txt" 2>&1 | grep -v -i warn | tail -3
   timeout 100 python3 benchmarks/cudnn_flex_call_host.py --out "$OUT/cudnn_flex_call_host_$tag.json" 2>&1 \
     | grep -v -i warn | tail -8

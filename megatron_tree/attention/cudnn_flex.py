@@ -121,7 +121,7 @@ def tree_intervals(subtree_end: torch.Tensor, query_slots: torch.Tensor | None =
     # runs[i]: run starts among i's ancestors-or-self (j <= i < end[j]); +1 at j, -1 at end[j], prefix sum.
     delta = torch.zeros(t + 1, dtype=torch.long, device=end.device)
     delta.index_add_(0, first, torch.ones_like(first))
-    delta.index_add_(0, end[starts], -torch.ones_like(first))
+    delta.index_add_(0, end[first], -torch.ones_like(first))
     runs = delta.cumsum(0)[:t]
     run_start = torch.where(starts, slot, -1).cummax(0).values  # the run holding each slot begins here
     root = torch.where(depth == 0, slot, -1).cummax(0).values  # the root of each slot's tree
@@ -160,9 +160,10 @@ def _run_start_parents(end: torch.Tensor, depth: torch.Tensor, first: torch.Tens
     # j branches: j + 1 is its child (end[j] > j + 1) and j's subtree goes on after that child's (end[j + 1] < end[j])
     branch = slot[(end[:-1] > slot + 1) & (end[1:] < end[:-1])]
     key = torch.cat([end.new_full((1,), -1), (depth[branch] * (t + 1) + branch).sort().values])  # -1: below all
-    target = (depth[first] - 1).clamp_min(0) * (t + 1)
+    d = depth[first]
+    target = (d - 1).clamp_min(0) * (t + 1)
     found = key[torch.searchsorted(key, target + first) - 1] - target  # the last key below (d - 1, s)
-    return torch.where(depth[first] > 0, found, -1)
+    return torch.where(d > 0, found, -1)
 
 
 def tree_segments(subtree_end: torch.Tensor) -> torch.Tensor:
