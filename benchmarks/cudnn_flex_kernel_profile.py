@@ -8,6 +8,9 @@ backend causal over the same slots (the per-pair reference of ``attention_bench.
 call of each under torch.profiler: one line per kernel (``<workload> <method> <kernel name> <grid> us <time>``), each
 method's total, and its per-useful-pair efficiency from those kernel totals (tree pairs / tree kernel time over causal
 pairs / causal kernel time), beside the tile ceiling: where a tree call loses against causal cuDNN, kernel by kernel.
+Then one line per phase (:func:`phase`): the forward kernel, the backward's attention kernel, each with its own
+per-useful-pair efficiency, and the passes over the slots (fills, dO . O, fp32 -> bf16 conversions) with their
+share of each call.
 """
 
 from __future__ import annotations
@@ -24,6 +27,36 @@ import attention_bench as ab  # noqa: E402
 from fa4_kernel_profile import kernel_lines  # noqa: E402
 from megatron_tree.attention import cudnn_flex  # noqa: E402
 from megatron_tree.core.platform import have_transformer_engine  # noqa: E402
+
+
+PHASES = ("forward", "backward kernel", "slot passes")
+
+
+def phase(kernel: str) -> str:
+    """The phase of a forward + backward call that GPU kernel ``kernel`` (its full name) belongs to: ``forward``
+    (cudnn_flex's ``...sm90fwd...``, cuDNN's ``..._fprop_...``), ``backward kernel`` (``...sm90bwd...``, ``..._bprop_...``)
+    or ``slot passes`` (everything else: per-slot work whose time does not grow with the pairs)."""
+    name = kernel.lower()
+    if "sm90fwd" in name or "fprop" in name:
+        return "forward"
+    if "sm90bwd" in name or "bprop" in name:
+        return "backward kernel"
+    return "slot passes"
+
+
+def phase_lines(label: str, tree: list[tuple[str, float]], causal: list[tuple[str, float]], pair_ratio: float
+                ) -> list[str]:
+    """One line per phase: tree and causal kernel microseconds, and for the two attention kernels the per-useful-pair
+    efficiency (``pair_ratio`` = tree pairs / causal pairs), for the slot passes their share of each call."""
+    sums = [{p: sum(us for name, us in kernels if phase(name) == p) for p in PHASES} for kernels in (tree, causal)]
+    totals = [sum(s.values()) for s in sums]
+    lines = []
+    for p in PHASES:
+        t, c = sums[0][p], sums[1][p]
+        what = (f"{t / totals[0]:.1%} of the tree call, {c / totals[1]:.1%} of causal's" if p == "slot passes"
+                else f"per useful pair {pair_ratio * c / t:.3f}" if t else "not run")
+        lines.append(f"{label} phase {p}: tree {t:.0f} us, causal cuDNN {c:.0f} us, {what}")
+    return lines
 
 
 def step_of(attn, inputs: list[torch.Tensor], grad: torch.Tensor):
@@ -61,16 +94,19 @@ def main():
         tree = step_of(lambda q, k, v: cudnn_flex._flex(q, k, v, mask, ab.HEAD_DIM ** -0.5),
                        [ab.token_major(x).requires_grad_() for x in (q, k, v)], ab.token_major(g))
         causal = step_of(ab.sdpa_gqa(SDPBackend.CUDNN_ATTENTION, is_causal=True), [q, k, v], g)
-        totals = {}
+        kernels, totals = {}, {}
         for method, step in (("cudnn_flex_tree", tree), ("causal_cudnn", causal)):
-            kernels, totals[method] = kernel_lines(step, f"{name} {method}")
-            lines += kernels
+            method_lines, kernels[method] = kernel_lines(step, f"{name} {method}")
+            totals[method] = sum(us for _, us in kernels[method])
+            lines += method_lines
         t = end.shape[0]
+        pair_ratio = pairs / (t * (t + 1) / 2)
         ceiling = ab.segment_tile_ceiling(end, mask.cu_seqlens, pairs)
-        eff = pairs / totals["cudnn_flex_tree"] / (t * (t + 1) / 2 / totals["causal_cudnn"])
+        eff = pair_ratio * totals["causal_cudnn"] / totals["cudnn_flex_tree"]
         lines.append(f"{name} kernel-time efficiency per useful pair {eff:.3f} (tile ceiling {ceiling:.3f}: "
                      f"{eff / ceiling:.3f} of causal cuDNN's speed per computed tile)")
-        print(lines[-1], flush=True)
+        lines += phase_lines(name, kernels["cudnn_flex_tree"], kernels["causal_cudnn"], pair_ratio)
+        print("\n".join(lines[-4:]), flush=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
 

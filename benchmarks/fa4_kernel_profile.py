@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import attention_bench as ab  # noqa: E402
 
 
-def kernel_lines(step, label: str) -> tuple[list[str], float]:
-    """Profile one ``step()``: one line per GPU kernel and the total, and that total (microseconds)."""
+def kernel_lines(step, label: str) -> tuple[list[str], list[tuple[str, float]]]:
+    """Profile one ``step()``: one line per GPU kernel and the total, and the kernels as (name, microseconds)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -35,7 +35,7 @@ def kernel_lines(step, label: str) -> tuple[list[str], float]:
             events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
     total = sum(e["dur"] for e in events)
     lines = [f"{label} {e['name'][:70]} {e['args'].get('grid')} us {e['dur']}" for e in events]
-    return lines + [f"{label} kernel total us {total}"], total
+    return lines + [f"{label} kernel total us {total}"], [(e["name"], e["dur"]) for e in events]
 
 
 def main():

@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # compiled kernels reused across the processes below
 cudnn_kernel_profile() {  # the kernels of one cudnn_flex call next to causal cuDNN's (PART=cudnn_profile, cudnn_item4)
   timeout 200 python3 benchmarks/cudnn_flex_kernel_profile.py --out "$OUT/cudnn_flex_profile_$tag.txt" 2>&1 \
-    | grep -v -i warn | tail -2
+    | grep -v -i warn | tail -8
 }
 python3 -c "from megatron_tree.attention.fa4 import fa4_unavailable_reason as r; print('fa4 unavailable:', r())"
 if [ "${PART:-kernel}" = kernel ]; then

@@ -1,6 +1,7 @@
 """attention_bench.tile_ceiling: 1 on a causal chain; below 1 by exactly the masked share of the visited tiles.
 tile_layouts.relayout: the layouts it counts are the same forest; tile_layouts.root_paths: its node and tile counts;
-cudnn_flex_kernel_profile and cudnn_flex_call_host: their refusal where the kernels cannot run."""
+cudnn_flex_kernel_profile and cudnn_flex_call_host: their refusal where the kernels cannot run;
+cudnn_flex_kernel_profile's phases of a call, on the kernel names an H100 profile gave."""
 
 import importlib
 import sys
@@ -138,3 +139,32 @@ def test_cudnn_flex_benches_say_why_they_cannot_run(script, monkeypatch, tmp_pat
     with pytest.raises(SystemExit, match="no kernels here"):
         bench.main()
     assert not (tmp_path / "out").exists()
+
+
+# Kernel names (as the profiler gives them, shortened) and microseconds of one GRPO call on an H100
+# (benchmarks/results/te/cudnn_flex_profile_h100.txt)
+_TREE = [("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunc<float>>", 40.7),
+         ("kernel_cutlass_kernel_cudnnflex_attentionkernelscommonbackward_preprocess", 189.9),
+         ("kernel_cutlass_kernel_cudnnflex_attentionkernelssm90bwdbackwardFlexAttentionBackward", 3406.2),
+         ("kernel_cutlass_kernel_cudnnflex_attentionkernelscommonbackward_postprocess", 135.8),
+         ("kernel_cutlass_kernel_cudnnflex_attentionkernelssm90fwdforwardFlexAttentionForward", 1213.6)]
+_CAUSAL = [("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128", 6651.7),
+           ("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)", 178.7),
+           ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x128x128", 18703.9),
+           ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)", 138.6)]
+
+
+def test_the_profile_splits_a_call_into_its_phases():
+    """Each kernel lands in its phase; the attention kernels' efficiency is the pair ratio times causal's time over
+    the tree's, the slot passes' share is of each call's own total."""
+    bench = importlib.import_module("cudnn_flex_kernel_profile")
+    assert [bench.phase(n) for n, _ in _TREE] == ["slot passes", "slot passes", "backward kernel", "slot passes",
+                                                   "forward"]
+    assert [bench.phase(n) for n, _ in _CAUSAL] == ["forward", "slot passes", "backward kernel", "slot passes"]
+    lines = bench.phase_lines("grpo", _TREE, _CAUSAL, 0.16)
+    assert lines[0] == "grpo phase forward: tree 1214 us, causal cuDNN 6652 us, per useful pair " \
+        f"{0.16 * 6651.7 / 1213.6:.3f}"
+    assert lines[1].endswith(f"per useful pair {0.16 * 18703.9 / 3406.2:.3f}")
+    slot_share = (40.7 + 189.9 + 135.8) / sum(us for _, us in _TREE)
+    assert lines[2] == (f"grpo phase slot passes: tree 366 us, causal cuDNN 317 us, {slot_share:.1%} of the tree "
+                        f"call, {317.3 / sum(us for _, us in _CAUSAL):.1%} of causal's")
