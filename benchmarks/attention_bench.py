@@ -20,7 +20,8 @@ head dim 128, batch 1. Methods, each timed forward and forward + backward with C
                 first slot), each query's root path as intervals local to its tree, timed on Megatron's token-major
                 q / k / v (needs nvidia-cudnn-frontend and a Hopper/Blackwell GPU; the segments, intervals and mask
                 plan build time is reported apart, ``cudnn_flex_mask_build_ms``, once per micro-batch for all layers,
-                next to the tile ceiling of the per-tree tiling, ``cudnn_flex_tile_ceiling``)
+                next to the tile ceiling of the per-tree tiling, ``cudnn_flex_tile_ceiling``, and at the kernels' own
+                64-slot x 128-key tiles, ``cudnn_flex_tile_ceiling_64x128``)
   dense_sdpa    SDPA (memory-efficient backend) with the dense [T, T] bool tree mask
   causal_flash  SDPA flash backend, causal over all T slots (the per-pair reference)
   causal_cudnn  SDPA cuDNN backend, causal over all T slots
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import statistics
 import time
@@ -280,7 +282,14 @@ def error_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def segment_tile_ceiling(end: torch.Tensor, cu_seqlens: torch.Tensor, tree_pairs: int, block_size: int = 128) -> float:
+CUDNN_FLEX_TILE = (64, 128)
+"""The (query slots, keys) tile cuDNN frontend 1.32.0's SM90 kernels run at this bench's shape (d = 128, GQA 2:1): the
+backward's ``m_block_size`` 64 by ``n_block_size`` 128, and the forward's 128-row tile packing the two query heads of a
+K/V head (``pack_gqa``), 64 slots each."""
+
+
+def segment_tile_ceiling(end: torch.Tensor, cu_seqlens: torch.Tensor, tree_pairs: int,
+                         block_size: int | tuple[int, int] = 128) -> float:
     """:func:`tile_ceiling` of a varlen call over the segments ``cu_seqlens`` of ``end`` (``subtree_end`` int [T]):
     each segment tiled from its own first slot (its last tile ragged), against causal attention on the T slots."""
     bounds = zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())
@@ -288,13 +297,20 @@ def segment_tile_ceiling(end: torch.Tensor, cu_seqlens: torch.Tensor, tree_pairs
     return tile_ceiling(tree_pairs, visited, end.shape[0], block_size)
 
 
-def visited_tiles(end: torch.Tensor, block_size: int = 128) -> tuple[int, int]:
-    """``(partial, visited)`` ``block_size``² tiles of ``subtree_end`` int [T] tiled from its slot 0, its last tile
-    filled with self-attending slots (as padding is)."""
-    t = end.shape[0]
-    n = -(-t // block_size) * block_size
-    stats = block_stats(torch.cat([end, torch.arange(t + 1, n + 1, device=end.device, dtype=end.dtype)]), block_size)
-    return stats["partial_blocks"], stats["partial_blocks"] + stats["full_blocks"]
+def _tile(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    return (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+
+
+def visited_tiles(end: torch.Tensor, block_size: int | tuple[int, int] = 128) -> tuple[int, int]:
+    """``(partial, visited)`` tiles of ``subtree_end`` int [T] tiled from its slot 0 by ``block_size`` (``b`` for b x b,
+    or (query slots, keys)): the tiles holding a query slot and a key slot, the last ones filled with self-attending
+    slots (as padding is)."""
+    t, (bq, bk) = end.shape[0], _tile(block_size)
+    n = -(-t // math.lcm(bq, bk)) * math.lcm(bq, bk)
+    partial, full = classify_blocks(torch.cat([end, torch.arange(t + 1, n + 1, device=end.device, dtype=end.dtype)]),
+                                    (bq, bk))
+    partial, full = (x[: -(-t // bq), : -(-t // bk)] for x in (partial, full))
+    return int(partial.sum()), int(partial.sum() + full.sum())
 
 
 def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:
@@ -303,15 +319,17 @@ def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:
     return {"partial_blocks": int(partial.sum()), "full_blocks": int(full.sum()), "all_blocks": nq * nk}
 
 
-def tile_ceiling(tree_pairs: int, visited_blocks: int, slots: int, block_size: int = 128) -> float:
+def tile_ceiling(tree_pairs: int, visited_blocks: int, slots: int, block_size: int | tuple[int, int] = 128) -> float:
     """The per-useful-pair efficiency against causal attention on the same ``slots`` that a tree kernel reaches if it
-    runs every ``block_size``² tile it visits as fast as the causal kernel runs its tiles: the tree's useful pairs per
-    visited tile pair over the causal mask's (whose ``n (n + 1) / 2`` tiles hold ``slots (slots + 1) / 2`` pairs).
-    Tiles cut by a node's boundary hold masked pairs, so a tree kernel's ``per_pair_efficiency_vs_*`` over this is
-    its speed per computed tile against the dense kernel's."""
-    n = -(-slots // block_size)
-    causal = slots * (slots + 1) / 2 / (n * (n + 1) / 2 * block_size**2)
-    return tree_pairs / (visited_blocks * block_size**2) / causal
+    runs every tile it visits as fast as the causal kernel runs its tiles of the same shape (``block_size``: b for
+    b x b, or (query slots, keys)): the tree's useful pairs per visited tile pair over the causal mask's (query tile r
+    of ``slots (slots + 1) / 2`` pairs visits the key tiles up to its last row's). Tiles cut by a node's boundary hold
+    masked pairs, so a tree kernel's ``per_pair_efficiency_vs_*`` over this is its speed per computed tile against the
+    dense kernel's."""
+    bq, bk = _tile(block_size)
+    last_rows = torch.arange(bq, -(-slots // bq) * bq + 1, bq).clamp(max=slots) - 1
+    causal = slots * (slots + 1) / 2 / (int((last_rows // bk + 1).sum()) * bq * bk)
+    return tree_pairs / (visited_blocks * bq * bk) / causal
 
 
 def bench_workload(name, seqs, args, dev, gen) -> dict:
@@ -365,6 +383,8 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
         row["cudnn_flex_intervals"] = cudnn_mask.intervals.shape[1] // 2 + 1
         row["cudnn_flex_segments"] = len(cudnn_mask.cu_seqlens) - 1
         row["cudnn_flex_tile_ceiling"] = segment_tile_ceiling(end, cudnn_mask.cu_seqlens, row["tree_pairs"])
+        row["cudnn_flex_tile_ceiling_64x128"] = segment_tile_ceiling(end, cudnn_mask.cu_seqlens, row["tree_pairs"],
+                                                                     CUDNN_FLEX_TILE)
 
         def cudnn_prepare():  # segments, intervals and the mask plan with backward: once per micro-batch for all layers
             mask = cudnn_flex_tree_mask(end.clone())
@@ -378,7 +398,8 @@ def bench_workload(name, seqs, args, dev, gen) -> dict:
             [token_major(x).requires_grad_() for x in (q, k, v)], token_major(g), args)
         print(f"  cudnn_flex_tree {times['cudnn_flex_tree']} ({row['cudnn_flex_segments']} sequences, "
               f"{row['cudnn_flex_intervals']} intervals, mask build {row['cudnn_flex_mask_build_ms']:.2f} ms, tile "
-              f"ceiling {row['cudnn_flex_tile_ceiling']:.3f})", flush=True)
+              f"ceiling {row['cudnn_flex_tile_ceiling']:.3f}, at its 64 x 128 tiles "
+              f"{row['cudnn_flex_tile_ceiling_64x128']:.3f})", flush=True)
         # The same call with the forward's query heads in tiles of their own (pack_gqa=False): by default the frontend
         # packs the query heads of a K/V head into one 128-row forward tile (GQA 2:1: 64 slots x 2 heads)
         from cudnn.flex_attention import create_mask_plan

@@ -1,4 +1,5 @@
-"""attention_bench.tile_ceiling: 1 on a causal chain; below 1 by exactly the masked share of the visited tiles.
+"""attention_bench.tile_ceiling: 1 on a causal chain; below 1 by exactly the masked share of the visited tiles, square
+or rectangular (counted against a brute force).
 tile_layouts.relayout: the layouts it counts are the same forest; tile_layouts.root_paths: its node and tile counts;
 cudnn_flex_kernel_profile and cudnn_flex_call_host: their refusal where the kernels cannot run;
 cudnn_flex_kernel_profile's phases of a call, on the kernel names an H100 profile gave."""
@@ -35,6 +36,39 @@ def test_two_documents_cut_inside_a_tile():
     causal = 384 * 385 / 2 / (6 * 128 * 128)
     expected = pairs / (5 * 128 * 128) / causal
     assert abs(_ceiling(end, 128) - expected) < 1e-12 and expected < 1
+
+
+def test_rectangular_tiles_count_as_a_brute_force_does():
+    """``visited_tiles`` / ``tile_ceiling`` at (query slots, keys) tiles, as the cuDNN flex kernels run them (64 x
+    128): a tile is visited when one of its pairs is visible, counted here pair by pair on random forests and ragged
+    lengths; the causal chain stays at 1."""
+    from attention_bench import visited_tiles
+    from megatron_tree.core.masks import tree_parents
+
+    def forest(n, gen):  # DFS order: each slot's parent an earlier slot on the current root path, or a new root
+        end, path = torch.empty(n, dtype=torch.long), []
+        for i in range(n):
+            keep = int(torch.randint(0, len(path) + 1, (1,), generator=gen))
+            for j in path[keep:]:
+                end[j] = i
+            path = path[:keep] + [i]
+        end[path] = n
+        return end
+
+    gen = torch.Generator().manual_seed(0)
+    for n, tile in ((300, (64, 128)), (257, (8, 16)), (200, (16, 8)), (96, (32, 32))):
+        end = forest(n, gen)
+        assert (tree_parents(end) < torch.arange(n)).all()
+        bq, bk = tile
+        m = -(-n // (bq * bk)) * bq * bk  # padding slots after n, each seeing itself
+        padded = torch.cat([end, torch.arange(n + 1, m + 1)])
+        i, j = torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij")
+        tiles = ((j <= i) & (i < padded[j])).reshape(m // bq, bq, m // bk, bk).transpose(1, 2).flatten(2)
+        tiles = tiles[: -(-n // bq), : -(-n // bk)]  # the tiles holding a query slot and a key slot
+        visited, partial = tiles.any(-1), tiles.any(-1) & ~tiles.all(-1)
+        assert visited_tiles(end, tile) == (int(partial.sum()), int(visited.sum())), (n, tile)
+        chain = torch.full((n,), n)
+        assert abs(tile_ceiling(n * (n + 1) // 2, visited_tiles(chain, tile)[1], n, tile) - 1) < 1e-12
 
 
 def test_tile_layouts_relayout():
@@ -94,6 +128,8 @@ def test_segment_tile_ceiling_counts_each_tree_from_its_own_tile():
     assert len(cu) == 4 and cu[-2] == mb.num_tokens  # two trees, then the padding
     pairs = micro_batch_work(mb)[1]
     assert (round(_ceiling(end, 128), 3), round(segment_tile_ceiling(end, cu, pairs), 3)) == (0.913, 0.930)
+    # at the kernels' own tiles (64 query slots x 128 keys) fewer masked pairs are computed
+    assert round(segment_tile_ceiling(end, cu, pairs, (64, 128)), 3) == 0.944
 
 
 def test_token_major_is_megatrons_layout():
