@@ -24,6 +24,8 @@
 #                                            # then the host time of one cudnn_flex call (cudnn_flex_call_host.py)
 #   PART=cudnn_item4 bash benchmarks/gpu_fa4.sh  # cudnn_speed's bench, then cudnn_flex_kernel_profile.py alone: the
 #                                            # per-call ratios and where GRPO's call time goes, in one device call
+#                                            # (without FA4 staged it runs too, its FA4 rows left out: one call
+#                                            # carrying .te and .whl measures cudnn_flex against causal cuDNN)
 # Outputs under $OUT (default benchmarks/results/te).
 set -uo pipefail
 cd "$(dirname "$0")/.."
