@@ -64,7 +64,8 @@ from megatron_tree.attention import cudnn_flex
 from megatron_tree.attention.conformance import forward_backward, relative_errors
 from megatron_tree.attention.cudnn_flex import cudnn_flex_available, cudnn_flex_tree_mask
 from megatron_tree.attention.fa4 import fa4_available, fa4_tree_attention, fa4_tree_mask
-from megatron_tree.attention.flex import classify_blocks, flex_tree_attention, flex_tree_mask, padded_length, tree_block_mask
+from megatron_tree.attention.flex import (_block_sizes, classify_blocks, flex_tree_attention, flex_tree_mask,
+                                          padded_length, tree_block_mask)
 from megatron_tree.core.flops import micro_batch_work
 from megatron_tree.core.masks import dense_tree_mask
 from megatron_tree.core.synthetic import grpo_batch, multi_turn_batch, no_sharing_batch
@@ -297,15 +298,11 @@ def segment_tile_ceiling(end: torch.Tensor, cu_seqlens: torch.Tensor, tree_pairs
     return tile_ceiling(tree_pairs, visited, end.shape[0], block_size)
 
 
-def _tile(block_size: int | tuple[int, int]) -> tuple[int, int]:
-    return (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-
-
 def visited_tiles(end: torch.Tensor, block_size: int | tuple[int, int] = 128) -> tuple[int, int]:
     """``(partial, visited)`` tiles of ``subtree_end`` int [T] tiled from its slot 0 by ``block_size`` (``b`` for b x b,
     or (query slots, keys)): the tiles holding a query slot and a key slot, the last ones filled with self-attending
     slots (as padding is)."""
-    t, (bq, bk) = end.shape[0], _tile(block_size)
+    t, (bq, bk) = end.shape[0], _block_sizes(block_size)
     n = -(-t // math.lcm(bq, bk)) * math.lcm(bq, bk)
     partial, full = classify_blocks(torch.cat([end, torch.arange(t + 1, n + 1, device=end.device, dtype=end.dtype)]),
                                     (bq, bk))
@@ -326,7 +323,7 @@ def tile_ceiling(tree_pairs: int, visited_blocks: int, slots: int, block_size: i
     of ``slots (slots + 1) / 2`` pairs visits the key tiles up to its last row's). Tiles cut by a node's boundary hold
     masked pairs, so a tree kernel's ``per_pair_efficiency_vs_*`` over this is its speed per computed tile against the
     dense kernel's."""
-    bq, bk = _tile(block_size)
+    bq, bk = _block_sizes(block_size)
     last_rows = torch.arange(bq, -(-slots // bq) * bq + 1, bq).clamp(max=slots) - 1
     causal = slots * (slots + 1) / 2 / (int((last_rows // bk + 1).sum()) * bq * bk)
     return tree_pairs / (visited_blocks * bq * bk) / causal
