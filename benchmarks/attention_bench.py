@@ -303,11 +303,12 @@ def visited_tiles(end: torch.Tensor, block_size: int | tuple[int, int] = 128) ->
     or (query slots, keys)): the tiles holding a query slot and a key slot, the last ones filled with self-attending
     slots (as padding is)."""
     t, (bq, bk) = end.shape[0], _block_sizes(block_size)
-    n = -(-t // math.lcm(bq, bk)) * math.lcm(bq, bk)
+    lcm = math.lcm(bq, bk)
+    n = -(-t // lcm) * lcm
     partial, full = classify_blocks(torch.cat([end, torch.arange(t + 1, n + 1, device=end.device, dtype=end.dtype)]),
                                     (bq, bk))
-    partial, full = (x[: -(-t // bq), : -(-t // bk)] for x in (partial, full))
-    return int(partial.sum()), int(partial.sum() + full.sum())
+    partial, full = (int(x[: -(-t // bq), : -(-t // bk)].sum()) for x in (partial, full))
+    return partial, partial + full
 
 
 def block_stats(end: torch.Tensor, block_size) -> dict[str, int]:

@@ -5,6 +5,7 @@ cudnn_flex_kernel_profile and cudnn_flex_call_host: their refusal where the kern
 cudnn_flex_kernel_profile's phases of a call, on the kernel names an H100 profile gave."""
 
 import importlib
+import random
 import sys
 
 import pytest
@@ -43,27 +44,17 @@ def test_rectangular_tiles_count_as_a_brute_force_does():
     128): a tile is visited when one of its pairs is visible, counted here pair by pair on random forests and ragged
     lengths; the causal chain stays at 1."""
     from attention_bench import visited_tiles
-    from megatron_tree.core.masks import tree_parents
+    from forests import random_subtree_end
+    from megatron_tree.core.masks import dense_tree_mask, tree_parents
 
-    def forest(n, gen):  # DFS order: each slot's parent an earlier slot on the current root path, or a new root
-        end, path = torch.empty(n, dtype=torch.long), []
-        for i in range(n):
-            keep = int(torch.randint(0, len(path) + 1, (1,), generator=gen))
-            for j in path[keep:]:
-                end[j] = i
-            path = path[:keep] + [i]
-        end[path] = n
-        return end
-
-    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
     for n, tile in ((300, (64, 128)), (257, (8, 16)), (200, (16, 8)), (96, (32, 32))):
-        end = forest(n, gen)
+        end = random_subtree_end(rng, n, p_extend=0.7).long()
         assert (tree_parents(end) < torch.arange(n)).all()
         bq, bk = tile
         m = -(-n // (bq * bk)) * bq * bk  # padding slots after n, each seeing itself
-        padded = torch.cat([end, torch.arange(n + 1, m + 1)])
-        i, j = torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij")
-        tiles = ((j <= i) & (i < padded[j])).reshape(m // bq, bq, m // bk, bk).transpose(1, 2).flatten(2)
+        mask = dense_tree_mask(torch.cat([end, torch.arange(n + 1, m + 1)]))
+        tiles = mask.reshape(m // bq, bq, m // bk, bk).transpose(1, 2).flatten(2)
         tiles = tiles[: -(-n // bq), : -(-n // bk)]  # the tiles holding a query slot and a key slot
         visited, partial = tiles.any(-1), tiles.any(-1) & ~tiles.all(-1)
         assert visited_tiles(end, tile) == (int(partial.sum()), int(visited.sum())), (n, tile)
