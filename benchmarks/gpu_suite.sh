@@ -8,13 +8,15 @@
 #   PART=2c   pass 2: FA4                                    PART=2d   pass 2: FlexAttention, sliding windows
 #   PART=2e   pass 2 outside tests/attention, up to tests/mcore/test_f*   PART=2f   pass 2 on the rest of tests/mcore
 # Logs under $OUT (default benchmarks/results/te): suite_pass<PART>_<gpu>.txt, each test's name and result and the
-# durations (a part cut by its limit still says which tests ran); prints pytest's summary lines.
+# durations (pass 1: each line stamped with the seconds since the start; a part cut by its limit still says which
+# tests ran and how long each took); prints pytest's summary lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${PART:-}" in 1a|1b|1c|2a|2b|2c|2d|2e|2f) ;; *) echo "gpu_suite.sh: set PART to 1a, 1b, 1c, 2a, 2b, 2c, 2d, 2e or 2f (got '${PART:-}')" >&2; exit 2 ;; esac
 . benchmarks/gpu_host_env.sh
 a=tests/attention
-pass1() { CUDA_VISIBLE_DEVICES="" timeout 570 python3 -m pytest -q -p no:cacheprovider "$@"; }
+stamp() { python3 -c "import sys, time; t = time.time(); [print(f'{time.time() - t:6.1f}s {l}', end='') for l in sys.stdin]"; }
+pass1() { CUDA_VISIBLE_DEVICES="" timeout 570 python3 -m pytest -v -p no:cacheprovider "$@" | stamp; }  # each line timed
 pass2() { MEGATRON_TREE_GPU_PASS=1 timeout 570 python3 -m pytest -v --durations=0 -p no:cacheprovider -m gpu "$@"; }
 case "$PART" in
 1a) pass1 tests/mcore ;;  # split from tests/train: the two ran past 570 s on an H100 host (2026-12-07, 360 of 461 tests)
