@@ -219,8 +219,8 @@ class ParallelConfig(_Section):
     pp: int = _field(1, "pipeline parallel size")
     vpp: int | None = _field(None, "virtual pipeline stages per rank (interleaved PP); num_hidden_layers % (pp*vpp) == 0")
     ep: int = _field(1, "expert parallel size (MoE)")
-    cp: int = _field(1, "context parallel size: each micro-batch's slots split over cp ranks (long trees; the "
-                        "docs/results.md says when)")
+    cp: int = _field(1, "context parallel size: each micro-batch's slots split over cp ranks (long trees; "
+                        "when it pays: docs/results.md, Context parallel)")
     distributed_timeout_minutes: float = _field(10.0, "a collective that waits longer fails and ends the job (a hung "
                                                 "or dead rank), as Megatron-LM's --distributed-timeout-minutes")
     use_distributed_optimizer: bool = _field(False, "shard the optimizer state over data-parallel ranks (megatron-core's "
